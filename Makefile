@@ -1,0 +1,27 @@
+# ddplab: two commands.
+#   make lab    environment + JupyterLab on labs/ (gloo on CPU; GPUs when present)
+#   make test   every test, building .venv from scratch when it is missing
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.ddplab-installed
+
+.PHONY: lab test test-unit test-labs test-browser bench clean
+
+$(STAMP): pyproject.toml constraints.txt
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	# -c pins torch to the CPU wheel (an unpinned torch is a ~5 GB CUDA build).
+	$(PY) -m pip install --quiet -c constraints.txt -e '.[lab,test]'
+	touch $(STAMP)
+
+lab: $(STAMP)
+	$(VENV)/bin/jupyter lab labs/
+
+test: test-unit
+
+test-unit: $(STAMP)
+	$(PY) -m pytest -q tests
+
+clean:
+	rm -rf $(VENV) .pytest_cache build *.egg-info

@@ -1,0 +1,27 @@
+"""Command line: ``python -m ddplab doctor`` (more subcommands join as they land)."""
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m ddplab", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    doc = sub.add_parser("doctor", help="torch version, backends, GPUs, usable CPUs, what backend='auto' picks")
+    doc.add_argument("--world-size", type=int, action="append",
+                     help="world size(s) to show the 'auto' choice for (repeatable)")
+    args = parser.parse_args(argv)
+    if args.command == "doctor":
+        from .doctor import main as doctor
+
+        sizes = args.world_size or [1, 2, 4, 8]
+        bad = [ws for ws in sizes if ws < 1]
+        if bad:
+            parser.error(f"--world-size must be a positive integer, got {bad[0]}")
+        return doctor(tuple(sizes))
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,117 @@
+"""What this machine offers the ranks: usable CPUs, GPUs, and the backend to pick.
+
+Teaches: a rank's share of the machine is not ``os.cpu_count()``. Containers
+and job schedulers restrict a process with an affinity mask or a cgroup CPU
+quota, and ranks that oversubscribe the cores run several times slower (each
+rank's intra-op thread pool fights the others). So ranks get
+``max(1, usable_cpus // world_size)`` threads each.
+
+Leaves out, compared with torch: torchrun's ``--nproc-per-node=auto`` and
+multi-node topology; here every rank lives on this machine.
+
+The kernel process never initialises CUDA: ``torch.cuda.device_count()``
+answers without creating a context, and ranks choose their device themselves.
+
+References: sched_getaffinity(2); cgroup v2 ``cpu.max``; torch.cuda.device_count.
+"""
+from __future__ import annotations
+
+import math
+import os
+
+BACKENDS = ("auto", "gloo", "nccl")
+
+
+def usable_cpus() -> int:
+    """CPUs this process may use: the affinity mask, capped by a cgroup quota."""
+    try:
+        n = len(os.sched_getaffinity(0))
+    except AttributeError:  # macOS has no affinity mask
+        n = os.cpu_count() or 1
+    quota = _cgroup_cpu_quota()
+    if quota is not None:
+        n = min(n, max(1, math.floor(quota)))
+    return max(1, n)
+
+
+def _cgroup_cpu_quota() -> float | None:
+    # cgroup v2: "max 100000" (no limit) or "200000 100000" (2 CPUs).
+    try:
+        with open("/sys/fs/cgroup/cpu.max") as f:
+            quota, period = f.read().split()[:2]
+        if quota != "max":
+            return int(quota) / int(period)
+    except (OSError, ValueError):
+        pass
+    # cgroup v1.
+    try:
+        with open("/sys/fs/cgroup/cpu/cpu.cfs_quota_us") as f:
+            quota_us = int(f.read())
+        with open("/sys/fs/cgroup/cpu/cpu.cfs_period_us") as f:
+            period_us = int(f.read())
+        if quota_us > 0:
+            return quota_us / period_us
+    except (OSError, ValueError):
+        pass
+    return None
+
+
+def threads_per_rank(world_size: int, cpus: int | None = None) -> int:
+    """Intra-op threads for each rank so that ranks do not oversubscribe the cores."""
+    cpus = usable_cpus() if cpus is None else cpus
+    return max(1, cpus // world_size)
+
+
+def visible_gpus() -> int:
+    """GPUs this process could give its ranks (respects CUDA_VISIBLE_DEVICES).
+
+    Does not create a CUDA context in the calling process.
+    """
+    import torch
+
+    if not torch.cuda.is_available():
+        return 0
+    return torch.cuda.device_count()
+
+
+def check_world_size(world_size) -> int:
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(
+            f"world_size must be a positive integer (the number of ranks), got {world_size!r}. "
+            "Try world_size=2."
+        )
+    return world_size
+
+
+def choose_backend(backend: str, world_size: int, gpus: int | None = None) -> str:
+    """Resolve ``backend`` for ``world_size`` ranks; raise ValueError saying what to do."""
+    check_world_size(world_size)
+    if not isinstance(backend, str) or backend.lower() not in BACKENDS:
+        raise ValueError(
+            f"unknown backend {backend!r}: use 'auto' (nccl when every rank can have its own "
+            "GPU, else gloo), 'gloo' (CPU) or 'nccl' (one GPU per rank)."
+        )
+    backend = backend.lower()
+    gpus = visible_gpus() if gpus is None else gpus
+    if backend == "auto":
+        return "nccl" if gpus >= world_size else "gloo"
+    if backend == "nccl":
+        import torch.distributed as dist
+
+        if not dist.is_nccl_available():
+            raise ValueError(
+                "backend='nccl' but this torch build has no NCCL (a CPU build?). "
+                "Use backend='gloo' or backend='auto'."
+            )
+        if gpus < world_size:
+            cvd = os.environ.get("CUDA_VISIBLE_DEVICES")
+            seen = f" (CUDA_VISIBLE_DEVICES={cvd!r})" if cvd is not None else ""
+            raise ValueError(
+                f"backend='nccl' needs one GPU per rank: world_size={world_size} but "
+                f"{gpus} GPU(s) are visible{seen}. Use world_size<={gpus} "
+                "or backend='gloo' (CPU), or backend='auto' to choose for you."
+                if gpus
+                else f"backend='nccl' needs one GPU per rank but no GPU is visible{seen}. "
+                "Use backend='gloo' (CPU) or backend='auto'."
+            )
+    return backend
