@@ -1,0 +1,4 @@
+"""Experiments: small models and workloads, and compare(): strategies side by side."""
+from .models import SmallConvNet, batch, build, mlp, n_parameters
+
+__all__ = ["SmallConvNet", "batch", "build", "mlp", "n_parameters"]

@@ -1,0 +1,111 @@
+"""Recorder: the rank-side notebook that the training loop and the choke point write into.
+
+Teaches: what to stamp and from where. The loop stamps phases
+(``with rec.phase("backward"):``); the communication choke point stamps each
+bucket's grads-ready, launch and completion. Completion on gloo is stamped
+by a callback on the work's future, which runs on one of gloo's background
+threads the moment the result is there, not when the Python hook next looks.
+
+On GPUs a CPU stamp is only when the host enqueued the all-reduce. Torch does
+not expose NCCL's stream, so completion comes from a CUDA event recorded
+after ``work.wait()`` on a side stream (source ``cuda_event``), and is
+labelled so; ``TORCH_NCCL_ENABLE_TIMING=1`` with the work's duration is the
+alternative torch offers.
+
+A recorder that is off costs one attribute check per event: the choke point
+holds ``None`` instead of a recorder.
+
+Leaves out: memory, kernel-level GPU activity (use torch.profiler for those).
+"""
+from __future__ import annotations
+
+import contextlib
+import threading
+
+from .clock import now
+from .records import BucketRecord, IterationRecord, Timeline
+
+
+class Recorder:
+    def __init__(self, strategy: str, rank: int, world_size: int, backend: str = "gloo",
+                 meta: dict | None = None):
+        self.timeline = Timeline(strategy, world_size, backend, meta=dict(meta or {}))
+        self.rank = rank
+        self._it: IterationRecord | None = None
+        self._buckets: dict[int, BucketRecord] = {}
+        self._lock = threading.Lock()  # completion stamps arrive on gloo's threads
+
+    # -- iterations and phases (called by the training loop) -------------------
+    def begin_iteration(self, iteration: int, flags=()) -> None:
+        self.end_iteration()
+        self._it = IterationRecord(self.rank, iteration, start=now(), flags=set(flags))
+        self._buckets = {}
+
+    def flag(self, *flags: str) -> None:
+        if self._it is not None:
+            self._it.flags.update(flags)
+
+    @contextlib.contextmanager
+    def phase(self, name: str, source: str = "cpu"):
+        t0 = now()
+        try:
+            yield
+        finally:
+            if self._it is not None:
+                self._it.phases[name] = (t0, now())
+                self._it.sources[name] = source
+
+    def end_iteration(self) -> None:
+        if self._it is None:
+            return
+        self._it.end = now()
+        with self._lock:
+            self.timeline.iterations.append(self._it)
+            self.timeline.buckets.extend(self._buckets[i] for i in sorted(self._buckets))
+        self._it, self._buckets = None, {}
+
+    # -- buckets (called by ddplab.sync.comm) ------------------------------------
+    def _bucket(self, index: int) -> BucketRecord | None:
+        if self._it is None:
+            return None
+        b = self._buckets.get(index)
+        if b is None:
+            b = self._buckets[index] = BucketRecord(self.rank, self._it.iteration, index, 0)
+        return b
+
+    def grad_ready(self, index: int, t: float | None = None) -> None:
+        b = self._bucket(index)
+        if b is not None:
+            t = now() if t is None else t
+            if b.grads_ready_first is None:
+                b.grads_ready_first = t
+            b.grads_ready = t
+            b.sources["grads_ready"] = "cpu"
+
+    def launch(self, index: int, nbytes: int, params=(), t: float | None = None) -> None:
+        b = self._bucket(index)
+        if b is not None:
+            b.launch = now() if t is None else t
+            b.nbytes, b.params = nbytes, tuple(params)
+            b.sources["launch"] = "cpu"
+            if b.grads_ready is None:  # manual strategies: ready = launched after backward
+                b.grads_ready = b.launch
+                b.sources["grads_ready"] = "derived"
+
+    def comm_done(self, index: int, t: float | None = None, source: str = "cpu",
+                  start: float | None = None, start_source: str | None = None,
+                  simulated: bool = False) -> None:
+        with self._lock:
+            b = self._buckets.get(index) if self._it is not None else None
+            if b is None:
+                return
+            b.comm_end = now() if t is None else t
+            b.sources["comm_end"] = source
+            if start is not None:
+                b.comm_start = start
+                b.sources["comm_start"] = start_source or source
+            b.simulated = b.simulated or simulated
+
+    def result(self) -> Timeline:
+        self.end_iteration()
+        return self.timeline
