@@ -9,4 +9,16 @@ from .cluster import (Cluster, ClusterError, CollectiveTimeout, JobTimeout, Rank
 
 __version__ = "0.1.0"
 __all__ = ["Cluster", "launch", "ClusterError", "CollectiveTimeout", "JobTimeout", "RankDied",
-           "RankError"]
+           "RankError", "average_gradients", "OverlapDDP", "BucketedDDP"]
+
+_SYNC = ("average_gradients", "OverlapDDP", "BucketedDDP")
+
+
+def __getattr__(name):
+    # The sync names import torch (~1.5 s); load them on first use so that
+    # `import ddplab` stays instant for the launcher and the magics.
+    if name in _SYNC:
+        from . import sync
+
+        return getattr(sync, name)
+    raise AttributeError(f"module 'ddplab' has no attribute {name!r}")

@@ -1,4 +1,4 @@
-"""Command line: ``python -m ddplab doctor`` (more subcommands join as they land)."""
+"""Command line: ``python -m ddplab doctor`` and ``python -m ddplab compare``."""
 from __future__ import annotations
 
 import argparse
@@ -11,7 +11,15 @@ def main(argv=None) -> int:
     doc = sub.add_parser("doctor", help="torch version, backends, GPUs, usable CPUs, what backend='auto' picks")
     doc.add_argument("--world-size", type=int, action="append",
                      help="world size(s) to show the 'auto' choice for (repeatable)")
+    from .experiments.cli import add_arguments
+
+    cmp = sub.add_parser("compare", help="every strategy side by side in one run (JSON, trace, HTML)")
+    add_arguments(cmp)
     args = parser.parse_args(argv)
+    if args.command == "compare":
+        from .experiments.cli import run
+
+        return run(args, cmp)
     if args.command == "doctor":
         from .doctor import main as doctor
 

@@ -34,6 +34,10 @@ class Recorder:
         self._it: IterationRecord | None = None
         self._buckets: dict[int, BucketRecord] = {}
         self._lock = threading.Lock()  # completion stamps arrive on gloo's threads
+        # Launched, not yet completed, per bucket index, oldest first: a completion
+        # may arrive just after the loop moved on to the next iteration (a future's
+        # callbacks can run after wait() has returned), and still finds its record.
+        self._in_flight: dict[int, list] = {}
 
     # -- iterations and phases (called by the training loop) -------------------
     def begin_iteration(self, iteration: int, flags=()) -> None:
@@ -59,6 +63,11 @@ class Recorder:
         if self._it is None:
             return
         self._it.end = now()
+        back, wait = self._it.phases.get("backward"), self._it.phases.get("wait")
+        if back and wait and back[0] <= wait[0] <= back[1]:
+            # The wait ran inside loss.backward() (the autograd engine's final
+            # callback): backward's compute ended where the wait began.
+            self._it.phases["backward"] = (back[0], wait[0])
         with self._lock:
             self.timeline.iterations.append(self._it)
             self.timeline.buckets.extend(self._buckets[i] for i in sorted(self._buckets))
@@ -88,6 +97,8 @@ class Recorder:
             b.launch = now() if t is None else t
             b.nbytes, b.params = nbytes, tuple(params)
             b.sources["launch"] = "cpu"
+            with self._lock:
+                self._in_flight.setdefault(index, []).append(b)
             if b.grads_ready is None:  # manual strategies: ready = launched after backward
                 b.grads_ready = b.launch
                 b.sources["grads_ready"] = "derived"
@@ -96,15 +107,34 @@ class Recorder:
                   start: float | None = None, start_source: str | None = None,
                   simulated: bool = False) -> None:
         with self._lock:
-            b = self._buckets.get(index) if self._it is not None else None
-            if b is None:
+            waiting = self._in_flight.get(index)
+            if not waiting:
                 return
+            b = waiting.pop(0)
             b.comm_end = now() if t is None else t
             b.sources["comm_end"] = source
             if start is not None:
                 b.comm_start = start
                 b.sources["comm_start"] = start_source or source
             b.simulated = b.simulated or simulated
+
+    # -- the protocol ddplab.sync.comm speaks: record(event, t, **info) ---------
+    def record(self, event: str, t: float, **info) -> None:
+        kind = info.get("kind", "grad")
+        if event == "grad_ready" and info.get("bucket") is not None:
+            self.grad_ready(info["bucket"], t)
+        elif event == "launch" and kind == "grad" and info.get("bucket") is not None:
+            self.launch(info["bucket"], info.get("nbytes", 0), info.get("params", ()), t)
+        elif event == "done" and kind == "grad" and info.get("bucket") is not None:
+            self.comm_done(info["bucket"], t, source=info.get("source", "cpu"),
+                           start=info.get("start"), simulated=info.get("simulated", False))
+        elif event == "wait_start":
+            self._wait_start = t
+        elif event == "wait_end" and self._it is not None:
+            start = getattr(self, "_wait_start", None)
+            self._it.phases["wait"] = (t if start is None else start, t)
+            self._it.sources["wait"] = "cpu"
+            self._wait_start = None
 
     def result(self) -> Timeline:
         self.end_iteration()

@@ -1,0 +1,72 @@
+"""Benchmark: step time of every strategy side by side, and what recording costs.
+
+    python benchmarks/strategies.py [--params 2e7] [--steps 30] [--world-size 2]
+
+Prints (1) the compare table for none, manual, bucketed and torch DDP on one
+MLP, in ONE run with steps interleaved, and the ratios the docs quote
+(bucketed / ddp, manual / bucketed); (2) recording overhead: BucketedDDP
+with its recorder on vs off, interleaved in the same processes, as a ratio.
+Figures go to docs/benchmarks.md.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+
+def _recording_overhead(cfg):
+    import torch.distributed as dist
+
+    from ddplab.experiments.runners import StrategyRunner
+
+    rank, world, backend = dist.get_rank(), dist.get_world_size(), dist.get_backend()
+    on = StrategyRunner("bucketed", dict(cfg, record=True), rank, world, backend)
+    off = StrategyRunner("bucketed", dict(cfg, record=False), rank, world, backend)
+    times = {"on": [], "off": []}
+    for i in range(cfg["warmup"] + cfg["steps"]):
+        pair = [("on", on), ("off", off)] if i % 2 else [("off", off), ("on", on)]
+        for name, r in pair:
+            dist.barrier()
+            t0 = time.perf_counter()
+            r.step(i)
+            if i >= cfg["warmup"]:
+                times[name].append(time.perf_counter() - t0)
+    return {k: statistics.median(v) * 1000 for k, v in times.items()}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--params", type=float, default=2e7)
+    p.add_argument("--depth", type=int, default=4)
+    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--world-size", type=int, default=2)
+    p.add_argument("--batch-size", type=int, default=32)
+    args = p.parse_args()
+
+    import ddplab
+    from ddplab.cluster.resources import usable_cpus
+    from ddplab.experiments.cli import print_table
+    from ddplab.experiments.compare import compare
+
+    with ddplab.Cluster(args.world_size) as c:
+        print(f"machine: {usable_cpus()} usable CPUs, {args.world_size} gloo ranks, "
+              f"{c.threads_per_rank} thread(s) per rank; MLP {args.params:.3g} params, "
+              f"depth {args.depth}, batch {args.batch_size}/rank, {args.steps} steps")
+        r = compare(c, "none,manual,bucketed,ddp", steps=args.steps, n_params=args.params,
+                    depth=args.depth, batch_size=args.batch_size)
+        print_table(r)
+        m = r.metrics
+        print(f"bucketed / ddp step time: {m['bucketed']['step_ms'] / m['ddp']['step_ms']:.3f}")
+        print(f"manual / bucketed step time: {m['manual']['step_ms'] / m['bucketed']['step_ms']:.3f}")
+        print(f"traced ddp / untraced ddp: {m['ddp']['traced_step_ms'] / m['ddp']['step_ms']:.3f}")
+        cfg = {"model": "mlp", "model_kwargs": {"n_params": args.params, "depth": args.depth},
+               "seed": 0, "batch_size": args.batch_size, "bucket_cap_mb": 25.0, "lr": 0.01,
+               "warmup": 3, "steps": args.steps, "straggler": None}
+        rec = c.run(_recording_overhead, cfg)[0]
+        print(f"recording: bucketed step {rec['on']:.2f} ms with recorder, {rec['off']:.2f} ms "
+              f"without: overhead {100 * (rec['on'] / rec['off'] - 1):+.1f}%")
+
+
+if __name__ == "__main__":
+    main()

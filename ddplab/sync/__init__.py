@@ -1,0 +1,21 @@
+"""Gradient synchronization three ways, each checked against torch's own DDP.
+
+- ``average_gradients(model, group=None, flat=False)``: by hand, after backward.
+- ``OverlapDDP(module)``: one async all-reduce per parameter, launched from
+  its post-accumulate-grad hook while backward goes on.
+- ``BucketedDDP(module, bucket_cap_mb=25.0)``: torch DDP's design: buckets in
+  reverse parameter order, launched in index order as soon as they are ready.
+
+Every collective goes through ``ddplab.sync.comm`` (bytes counted, optional
+recorder, the place a simulated link attaches). These modules know nothing
+about notebooks or clusters: they take a module and an optional process group.
+"""
+from . import comm
+from .bucket import MB, assign_buckets
+from .bucketed import BucketedDDP
+from .comm import ListRecorder, counting
+from .manual import average_gradients, broadcast_parameters
+from .overlap import OverlapDDP
+
+__all__ = ["average_gradients", "broadcast_parameters", "OverlapDDP", "BucketedDDP", "comm",
+           "counting", "ListRecorder", "assign_buckets", "MB"]

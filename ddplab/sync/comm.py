@@ -1,0 +1,250 @@
+"""The one choke point every gradient synchronization talks through.
+
+Teaches: a data-parallel strategy is "compute locally, then make the ranks
+agree". All the agreeing here happens in three functions, ``all_reduce``,
+``broadcast`` and ``broadcast_coalesced``, so there is exactly one place
+that
+
+- counts what was sent: payload bytes and calls per *kind* of traffic
+  (``"grad"`` for gradient all-reduces, ``"params"`` and ``"buffers"`` for
+  broadcasts from rank 0) and, for gradients, bytes per bucket and the order
+  buckets were launched in. Wrap one training step in ``with counting() as c``
+  to get that step's numbers;
+- tells an optional recorder when things happened (``grad_ready``,
+  ``launch``, ``done``, ``wait_start``, ``wait_end``; see ``Recorder``). With
+  no recorder the cost is one ``is None`` test per call;
+- is where the simulated link (ddplab.netsim) attaches: see ``set_link``.
+
+Payload bytes are what each rank hands to the collective (numel x element
+size), the number the lab calls ``comm_bytes_per_step``. What a ring
+all-reduce really puts on each link is 2(p-1)/p times that; the metrics
+module converts.
+
+``torch.distributed.all_reduce`` is looked up when each call is made, not at
+import, so a test or a lab can patch it and see every strategy go through it.
+
+Leaves out, compared with torch's reducer: gradient compression and comm
+hooks (torch's ``register_comm_hook``), NCCL stream handling, coalescing
+managers. Every call here is also a plain torch collective: what is in flight
+is real gloo/nccl work.
+
+References: torch.distributed.all_reduce / broadcast (async_op=True returns a
+``Work``; ``Work.get_future()``); torch/csrc/distributed/c10d/reducer.cpp.
+"""
+from __future__ import annotations
+
+import contextlib
+import time
+from collections import Counter
+
+import torch
+import torch.distributed as dist
+
+# Stamps are seconds on this rank's monotonic clock; ddplab.timeline moves
+# them onto rank 0's clock later.
+now = time.perf_counter
+
+
+class Recorder:
+    """What a recorder looks like (duck-typed: any object with ``record``).
+
+    ``record(event, t, **info)`` is called with ``t`` from ``now()`` and:
+
+    - ``"grad_ready"``: ``bucket``, ``param`` (name): a gradient is final for
+      this backward (called by the strategies' hooks);
+    - ``"launch"``: ``bucket``, ``kind``, ``nbytes``, ``params`` (names):
+      the collective was handed to the backend;
+    - ``"done"``: ``bucket``, ``kind`` (and ``simulated=True`` over a
+      simulated link): the result is available. This comes from a callback
+      on the work's future, run on the backend's own thread, so it may
+      arrive out of order and while the main thread is still in backward;
+    - ``"wait_start"`` / ``"wait_end"``: the strategy started and finished
+      waiting for outstanding work (its end-of-backward wait).
+
+    ``bucket`` is the bucket index (for per-parameter strategies, the
+    parameter's index; ``None`` for broadcasts).
+    """
+
+    def record(self, event: str, t: float, **info) -> None:  # pragma: no cover - protocol
+        raise NotImplementedError
+
+
+class ListRecorder(Recorder):
+    """Keeps every event as ``(event, t, info)``; enough for tests and notebooks."""
+
+    def __init__(self):
+        self.events: list = []
+
+    def record(self, event, t, **info):
+        # list.append is atomic under the GIL, so gloo's threads may call this too.
+        self.events.append((event, t, info))
+
+    def of(self, event: str, **match) -> list:
+        """The events named ``event`` whose info has every ``match`` item."""
+        return [(t, info) for e, t, info in self.events
+                if e == event and all(info.get(k) == v for k, v in match.items())]
+
+    def first(self, event: str, **match) -> float | None:
+        ts = [t for t, _ in self.of(event, **match)]
+        return min(ts) if ts else None
+
+    def clear(self) -> None:
+        self.events.clear()
+
+
+class CommCounter:
+    """Calls and payload bytes seen at the choke point.
+
+    ``calls`` and ``bytes`` are keyed by kind (``"grad"``, ``"params"``,
+    ``"buffers"``). ``bucket_bytes`` maps a gradient bucket's index to the
+    bytes it carried, and ``launch_order`` lists gradient buckets in the
+    order their all-reduces were launched.
+    """
+
+    def __init__(self):
+        self.calls: Counter = Counter()
+        self.bytes: Counter = Counter()
+        self.bucket_bytes: dict = {}
+        self.launch_order: list = []
+
+    @property
+    def grad_calls(self) -> int:
+        return self.calls["grad"]
+
+    @property
+    def grad_bytes(self) -> int:
+        return self.bytes["grad"]
+
+    def add(self, kind: str, nbytes: int, bucket) -> None:
+        self.calls[kind] += 1
+        self.bytes[kind] += nbytes
+        if kind == "grad" and bucket is not None:
+            self.bucket_bytes[bucket] = self.bucket_bytes.get(bucket, 0) + nbytes
+            self.launch_order.append(bucket)
+
+    def __repr__(self):
+        return (f"CommCounter(calls={dict(self.calls)}, bytes={dict(self.bytes)}, "
+                f"buckets={len(self.bucket_bytes)})")
+
+
+# Everything since this process imported ddplab.sync; plus any counters
+# opened with ``counting()`` (nested blocks each see their own traffic).
+totals = CommCounter()
+_open_counters: list = [totals]
+
+
+@contextlib.contextmanager
+def counting():
+    """``with counting() as c: step()`` -> ``c`` holds what that step sent."""
+    c = CommCounter()
+    _open_counters.append(c)
+    try:
+        yield c
+    finally:
+        _open_counters.remove(c)
+
+
+def _count(kind, nbytes, bucket):
+    for c in _open_counters:
+        c.add(kind, nbytes, bucket)
+
+
+# ----------------------------------------------------------------------------
+# SIMULATED LINK: ddplab.netsim attaches here, and nowhere else.
+# ``set_link(link)`` installs an object with ``wrap(work, nbytes, group)``
+# that returns something with ``.wait()`` and ``.get_future()`` completing no
+# earlier than the modelled transfer. The delay lives in that returned object,
+# never in a sleep inside a hook, so overlap with backward stays honest.
+# ----------------------------------------------------------------------------
+_link = None
+
+
+def set_link(link) -> None:
+    """Install (or, with ``None``, remove) a simulated link for this process."""
+    global _link
+    _link = link
+
+
+def link():
+    """The installed simulated link, or ``None`` (real communication only)."""
+    return _link
+
+
+def _after_launch(work, group, recorder, kind, nbytes, bucket, params):
+    """Route ``work`` over the simulated link (if any) and stamp launch and done."""
+    if _link is not None:
+        work = _link.wrap(work, nbytes, group)
+    if recorder is not None:
+        recorder.record("launch", now(), bucket=bucket, kind=kind, nbytes=nbytes,
+                        params=tuple(params))
+        extra = {}
+        if hasattr(work, "sim_start"):
+            # Over a simulated link the transfer starts when the link is free
+            # (after earlier buckets), and its end is the model's, not gloo's.
+            extra = {"start": work.sim_start, "simulated": True, "source": "simulated"}
+
+        def stamp_done(_fut):
+            recorder.record("done", now(), bucket=bucket, kind=kind, **extra)
+
+        work.get_future().then(stamp_done)
+    return work
+
+
+def all_reduce(tensor: torch.Tensor, group=None, async_op: bool = False, *, op=None,
+               kind: str = "grad", bucket=None, params=(), recorder=None):
+    """``torch.distributed.all_reduce`` (SUM by default), counted and recorded.
+
+    With ``async_op=True`` returns the work (``.wait()``, ``.get_future()``);
+    otherwise waits and returns ``None``, as torch does.
+    """
+    nbytes = tensor.numel() * tensor.element_size()
+    _count(kind, nbytes, bucket)
+    # Looked up now, not at import: whoever patches torch.distributed sees us.
+    work = dist.all_reduce(tensor, op=dist.ReduceOp.SUM if op is None else op, group=group,
+                           async_op=True)
+    work = _after_launch(work, group, recorder, kind, nbytes, bucket, params)
+    if async_op:
+        return work
+    work.wait()
+    return None
+
+
+def broadcast(tensor: torch.Tensor, src: int, group=None, async_op: bool = False, *,
+              kind: str = "params", recorder=None):
+    """``torch.distributed.broadcast`` from global rank ``src``, counted and recorded."""
+    nbytes = tensor.numel() * tensor.element_size()
+    _count(kind, nbytes, None)
+    work = dist.broadcast(tensor, src=src, group=group, async_op=True)
+    work = _after_launch(work, group, recorder, kind, nbytes, None, ())
+    if async_op:
+        return work
+    work.wait()
+    return None
+
+
+def broadcast_coalesced(tensors, src: int, group=None, *, kind: str = "buffers", recorder=None):
+    """Broadcast many tensors with one collective per dtype/device.
+
+    Copies each group into one flat buffer, broadcasts it, and copies back:
+    a BatchNorm's three buffers then cost one or two broadcasts, not three.
+    """
+    groups: dict = {}
+    for t in tensors:
+        groups.setdefault((t.dtype, t.device), []).append(t)
+    with torch.no_grad():
+        for ts in groups.values():
+            if len(ts) == 1:
+                broadcast(ts[0], src, group, kind=kind, recorder=recorder)
+                continue
+            flat = torch.cat([t.reshape(-1) for t in ts])
+            broadcast(flat, src, group, kind=kind, recorder=recorder)
+            offset = 0
+            for t in ts:
+                t.copy_(flat[offset:offset + t.numel()].view_as(t))
+                offset += t.numel()
+
+
+def record(recorder, event: str, **info) -> None:
+    """Strategies call this for their own events; a no-op with no recorder."""
+    if recorder is not None:
+        recorder.record(event, now(), **info)

@@ -1,0 +1,135 @@
+"""compare() on real ranks: recorded timelines obey causality, links and stragglers behave."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+import ddplab
+from ddplab.experiments.compare import compare
+from ddplab.netsim import LinkModel
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    with ddplab.Cluster(2) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def every_strategy(cluster):
+    return compare(cluster, "none,manual,manual_flat,overlap,bucketed,ddp", steps=4,
+                   n_params=1e6, bucket_cap_mb=0.5)
+
+
+def test_recorded_stamps_respect_causality(every_strategy):
+    for name, tl in every_strategy.timelines.items():
+        if name == "none":
+            assert not tl.buckets
+            continue
+        assert tl.buckets, name
+        for b in tl.buckets:
+            assert b.launch is not None and b.comm_end is not None, (name, b)
+            assert b.grads_ready <= b.launch + 1e-6, f"{name}: launched before its grads were ready"
+            assert b.comm_end >= b.launch, f"{name}: finished before it was launched"
+
+
+def test_buckets_launch_in_index_order(every_strategy):
+    for name in ("bucketed", "ddp"):
+        tl = every_strategy.timelines[name]
+        for rank in range(2):
+            for i in tl.iteration_numbers():
+                launches = [b.launch for b in tl.buckets_of(rank, i)]
+                assert len(launches) > 1, f"{name}: a 0.5 MB cap must give several buckets"
+                assert launches == sorted(launches), f"{name} rank {rank} iteration {i}"
+
+
+def test_clocks_aligned_within_the_reported_bound(every_strategy):
+    clock = every_strategy.meta["clock"]
+    assert clock["offsets_s"][0] == 0.0
+    # one host shares CLOCK_MONOTONIC: the estimate must find ~0 within its bound
+    assert abs(clock["offsets_s"][1]) <= clock["bound_s"] + 1e-3
+    tl = every_strategy.timelines["bucketed"]
+    for i in tl.iteration_numbers():
+        ends = [max(b.comm_end for b in tl.buckets_of(r, i)) for r in range(2)]
+        # the last all-reduce of a step finishes on both ranks at about the same moment
+        assert abs(ends[0] - ends[1]) < 0.05
+
+
+def test_every_strategy_keeps_ranks_in_agreement_and_counts_the_same_bytes(every_strategy):
+    m = every_strategy.metrics
+    assert all(v["ranks_agree"] for v in m.values())
+    payload = {m[n]["comm_bytes_per_step"] for n in ("manual", "manual_flat", "overlap", "bucketed", "ddp")}
+    assert len(payload) == 1 and payload.pop() > 0
+    assert m["none"]["comm_bytes_per_step"] == 0
+    assert m["manual"]["saved_ms"] == 0.0
+
+
+def test_torch_ddp_early_iterations_are_flagged_and_excluded(every_strategy):
+    tl = every_strategy.timelines["ddp"]
+    assert "ddp_one_bucket" in tl.iteration(0, 0).flags
+    assert "ddp_rebuild" in tl.iteration(0, 1).flags
+    assert len(tl.buckets_of(0, 0)) == 1 and len(tl.buckets_of(0, 2)) > 1
+    assert {0, 1} <= set(every_strategy.metrics["ddp"]["iterations_excluded"])
+    assert tl.meta["bucket_layout"], "DDP's rebuilt layout comes from its logging data"
+
+
+def test_simulated_1gbe_link_matches_the_model_and_bucketing_hides_it(cluster):
+    link = LinkModel.preset("1gbe")
+    # 4M parameters = 16 MB: ~128 ms on 1 GbE, far longer than the real transfer,
+    # so completion is the simulated end and the durations can be checked.
+    r = compare(cluster, "manual_flat,bucketed", steps=3, n_params=4e6, depth=6,
+                bucket_cap_mb=2.0, link=link)
+    assert r.meta["simulated_link"]["simulated"] is True
+    assert all(m["simulated"] for m in r.metrics.values())
+    assert r.metrics["bucketed"]["exposed_comm_ms"] < r.metrics["manual_flat"]["exposed_comm_ms"]
+    flat = r.timelines["manual_flat"]
+    durations, predicted = [], set()
+    for i in flat.iteration_numbers():
+        for rank in range(2):
+            (b,) = flat.buckets_of(rank, i)
+            durations.append(b.comm_end - b.launch)
+            predicted.add(link.allreduce_seconds(b.nbytes, 2))
+    (predicted,) = predicted
+    assert sorted(durations)[len(durations) // 2] == pytest.approx(predicted, rel=0.10)
+
+
+def test_a_straggler_makes_the_fast_rank_wait_and_drops_nothing(cluster):
+    r = compare(cluster, "manual,bucketed", steps=3, n_params=5e5, straggler="1:4")
+    for name in ("manual", "bucketed"):
+        wait = r.metrics[name]["wait_ms_by_rank"]
+        assert wait[0] > wait[1], f"{name}: rank 0 should wait for the straggler: {wait}"
+        assert r.metrics[name]["ranks_agree"]
+
+
+def test_bad_arguments_say_what_to_do(cluster):
+    with pytest.raises(ValueError, match="unknown strategy 'fast'"):
+        compare(cluster, "manual,fast")
+    with pytest.raises(ValueError, match="steps must be"):
+        compare(cluster, "manual", steps=0)
+    with pytest.raises(ValueError, match="RANK:FACTOR"):
+        compare(cluster, "manual", straggler="slow")
+    with pytest.raises(ValueError, match="not a rank"):
+        compare(cluster, "manual", straggler="5:2")
+    with pytest.raises(ValueError, match="bucket_cap_mb"):
+        compare(cluster, "bucketed", bucket_cap_mb=-1)
+
+
+def test_command_line_writes_json_trace_and_html(tmp_path):
+    out = subprocess.run(
+        [sys.executable, "-m", "ddplab", "compare", "--world-size", "2", "--strategies",
+         "none,manual,bucketed,ddp", "--steps", "2", "--params", "3e5", "--link", "10gbe",
+         "--json", str(tmp_path / "m.json"), "--trace", str(tmp_path / "t.json"),
+         "--html", str(tmp_path / "p.html")], capture_output=True, text=True, timeout=240)
+    assert out.returncode == 0, out.stderr
+    assert "SIMULATED link" in out.stdout and "bucketed" in out.stdout
+    m = json.loads((tmp_path / "m.json").read_text())
+    assert m["world_size"] == 2 and m["simulated_link"]["bandwidth_gbps"] == 10.0
+    assert set(m["strategies"]) == {"none", "manual", "bucketed", "ddp"}
+    for key in ("step_ms", "exposed_comm_ms", "overlap_pct", "saved_ms", "comm_bytes_per_step", "n_buckets"):
+        assert key in m["strategies"]["bucketed"]
+    trace = json.loads((tmp_path / "t.json").read_text())
+    assert any(e.get("cat") == "communication" for e in trace["traceEvents"])
+    assert "plotly" in (tmp_path / "p.html").read_text()[:2_000_000].lower()
