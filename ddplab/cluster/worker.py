@@ -41,6 +41,9 @@ CONFIG_VAR = "DDPLAB_WORKER"
 
 # The namespace %%ddp cells run in on this rank; it lives as long as the rank.
 namespace: dict = {"__name__": "__ddp__"}
+# Set once the background pre-import is over; timing code waits for it so that
+# the import (which holds the GIL) does not land inside a measured step.
+preimported = threading.Event()
 
 
 def _die_with_parent(parent_pid: int) -> None:
@@ -139,6 +142,8 @@ def _preimport() -> None:
         import torch.nn.parallel  # noqa: F401
     except Exception:
         pass
+    finally:
+        preimported.set()
 
 
 def _run_job(chan: _Channel, job_id: int, fn, args, kwargs) -> None:

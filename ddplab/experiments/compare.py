@@ -66,6 +66,9 @@ def _rank_main(cfg: dict) -> dict:
     from ..timeline.clock import estimate_offsets
     from .runners import StrategyRunner
 
+    from ..cluster import worker
+
+    worker.preimported.wait(timeout=120)  # keep the rank's start-up imports out of the timings
     rank, world = dist.get_rank(), dist.get_world_size()
     backend = dist.get_backend()
     names = list(cfg["strategies"])
