@@ -1,0 +1,185 @@
+"""Checks a learner runs in the labs: each answers one question by measuring it.
+
+Teaches, one function per question:
+- ``single_process_gap``: is a strategy really the same as training on one
+  process with all the data? (max parameter difference after every step)
+- ``loss_and_grads``: is the loss synchronized? (no: each rank's loss is its
+  own; the GRADIENTS are what DDP makes equal)
+- ``sync_order``: when exactly is the sync? (during backward, and finished
+  before ``loss.backward()`` returns; ``optimizer.step()`` waits for nothing)
+- ``traffic_by_batch_size``: does the batch size change the traffic? (no:
+  every step all-reduces one gradient per parameter)
+- ``no_sync_traffic``: what does ``no_sync`` save, and is the result the same?
+- ``autocast_traffic``: does autocast shrink the all-reduce? (no: gradients
+  of fp32 parameters stay fp32; compression is a comm hook's job)
+- ``sampler_indices``: does DistributedSampler ever duplicate samples? (yes:
+  it pads an uneven dataset by repeating indices unless drop_last=True)
+
+Functions ending in ``_on_rank`` run on every rank (``cluster.run``); the
+others take a Cluster and return plain numbers to check.
+
+Leaves out: real datasets; everything here is small random data.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..sync import BucketedDDP, OverlapDDP, average_gradients, comm
+
+
+def _tiny(seed=0, dtype=torch.float64):
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 32), nn.Tanh(),
+                         nn.Linear(32, 4)).to(dtype)
+
+
+def _data(rank, step, batch=16, dtype=torch.float64):
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    return torch.randn(batch, 8, generator=g, dtype=dtype), torch.randn(batch, 4, generator=g, dtype=dtype)
+
+
+def _wrap(strategy, model, bucket_cap_mb=0.001, recorder=None):
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    if strategy == "bucketed":
+        return BucketedDDP(model, bucket_cap_mb=bucket_cap_mb, recorder=recorder), None
+    if strategy == "overlap":
+        return OverlapDDP(model, recorder=recorder), None
+    if strategy == "ddp":
+        return DDP(model, bucket_cap_mb=bucket_cap_mb), None
+    if strategy in ("manual", "manual_flat"):
+        flat = strategy == "manual_flat"
+        return model, (lambda: average_gradients(model, flat=flat, recorder=recorder))
+    raise ValueError(f"unknown strategy {strategy!r}")
+
+
+def single_process_gap_on_rank(strategy="bucketed", steps=3, lr=0.1):
+    """Train ``strategy`` on this rank's data and, beside it, one model on ALL ranks' data."""
+    import torch.distributed as dist
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model, after_backward = _wrap(strategy, _tiny())
+    reference = _tiny()  # the same start, trained as one process would be
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=lr)
+    gaps = []
+    for step in range(steps):
+        x, y = _data(rank, step)
+        opt.zero_grad()
+        F.mse_loss(model(x), y).backward()
+        if after_backward:
+            after_backward()
+        opt.step()
+        xs, ys = zip(*(_data(r, step) for r in range(world)))  # the union of every rank's batch
+        ref_opt.zero_grad()
+        F.mse_loss(reference(torch.cat(xs)), torch.cat(ys)).backward()
+        ref_opt.step()
+        gaps.append(max((a - b).abs().max().item()
+                        for a, b in zip(model.parameters(), reference.parameters())))
+    return gaps
+
+
+def single_process_gap(cluster, strategy="bucketed", steps=3) -> list:
+    """Largest |parameter difference| vs one-process training, per step, worst rank."""
+    per_rank = cluster.run(single_process_gap_on_rank, strategy, steps)
+    return [max(g[s] for g in per_rank) for s in range(steps)]
+
+
+def loss_and_grads_on_rank(strategy="ddp"):
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    model, after_backward = _wrap(strategy, _tiny())
+    x, y = _data(rank, 0)
+    loss = F.mse_loss(model(x), y)
+    loss.backward()
+    if after_backward:
+        after_backward()
+    mean_loss = loss.detach().clone()
+    dist.all_reduce(mean_loss)  # only if you ask: the average you would log
+    mean_loss /= dist.get_world_size()
+    grads = torch.cat([p.grad.reshape(-1) for p in model.parameters()])
+    return {"rank": rank, "loss": loss.item(), "mean_loss": mean_loss.item(),
+            "grad_norm": grads.norm().item(), "grads": grads}
+
+
+def sync_order_on_rank(strategy="bucketed", bucket_cap_mb=0.001):
+    """Event times (ms from the forward's start) of one step, in the order they happened."""
+    rec = comm.ListRecorder()
+    model, after_backward = _wrap(strategy, _tiny(), bucket_cap_mb, recorder=rec)
+    import torch.distributed as dist
+
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x, y = _data(dist.get_rank(), 0)
+    rec.clear()
+    marks = {"forward_start": comm.now()}
+    loss = F.mse_loss(model(x), y)
+    marks["backward_start"] = comm.now()
+    loss.backward()
+    marks["backward_returned"] = comm.now()
+    if after_backward:
+        after_backward()
+        marks["average_gradients_returned"] = comm.now()
+    marks["step_start"] = comm.now()
+    opt.step()
+    marks["step_end"] = comm.now()
+    events = [(name, t) for name, t in marks.items()]
+    for name in ("launch", "done", "wait_start", "wait_end"):
+        times = [t for t, info in rec.of(name) if info.get("kind", "grad") == "grad"]
+        if times:
+            events += [(f"first {name}", min(times)), (f"last {name}", max(times))]
+    t0 = marks["forward_start"]
+    return sorted(((name, round(1000 * (t - t0), 3)) for name, t in events), key=lambda e: e[1])
+
+
+def traffic_on_rank(batch_size, strategy="bucketed", micro_steps=1, use_no_sync=False,
+                    autocast_dtype=None):
+    """Gradient payload bytes and all-reduce calls of one optimizer step."""
+    import contextlib
+
+    import torch.distributed as dist
+
+    model, after_backward = _wrap(strategy, _tiny(dtype=torch.float32), 0.001)
+    with comm.counting() as counted:
+        for k in range(micro_steps):
+            last = k == micro_steps - 1
+            quiet = model.no_sync() if use_no_sync and not last else contextlib.nullcontext()
+            x, y = _data(dist.get_rank(), k, batch_size, torch.float32)
+            cast = (torch.autocast("cpu", dtype=autocast_dtype) if autocast_dtype
+                    else contextlib.nullcontext())
+            with quiet:
+                with cast:
+                    loss = F.mse_loss(model(x).float(), y)
+                loss.backward()
+            if after_backward and (last or not use_no_sync):
+                after_backward()
+    grad_dtypes = sorted({str(p.grad.dtype) for p in model.parameters()})
+    return {"bytes": counted.grad_bytes, "calls": counted.grad_calls,
+            "param_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
+            "grad_dtypes": grad_dtypes}
+
+
+def traffic_by_batch_size(cluster, batch_sizes=(4, 256), strategy="bucketed") -> dict:
+    return {b: cluster.run(traffic_on_rank, b, strategy)[0] for b in batch_sizes}
+
+
+def no_sync_traffic(cluster, micro_steps=4) -> dict:
+    """Calls and bytes for ``micro_steps`` micro-batches with and without no_sync."""
+    return {"every_micro_step": cluster.run(traffic_on_rank, 8, "bucketed", micro_steps, False)[0],
+            "with_no_sync": cluster.run(traffic_on_rank, 8, "bucketed", micro_steps, True)[0]}
+
+
+def autocast_traffic(cluster, dtype=torch.bfloat16) -> dict:
+    return {"fp32": cluster.run(traffic_on_rank, 16, "bucketed")[0],
+            "autocast": cluster.run(traffic_on_rank, 16, "bucketed", 1, False, dtype)[0]}
+
+
+def sampler_indices(dataset_len=10, world_size=4, drop_last=False) -> list:
+    """The indices DistributedSampler hands each rank (no process group needed)."""
+    from torch.utils.data.distributed import DistributedSampler
+
+    data = list(range(dataset_len))
+    return [list(DistributedSampler(data, num_replicas=world_size, rank=r, shuffle=False,
+                                    drop_last=drop_last)) for r in range(world_size)]
