@@ -12,16 +12,27 @@ $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	# -c pins torch to the CPU wheel (an unpinned torch is a ~5 GB CUDA build).
-	$(PY) -m pip install --quiet -c constraints.txt -e '.[lab,test]'
+	$(PY) -m pip install --quiet -c constraints.txt -e '.[lab,test,browser]'
 	touch $(STAMP)
 
 lab: $(STAMP)
 	$(VENV)/bin/jupyter lab labs/
 
-test: test-unit
+# unit tests (<= 5 min), the labs executed by nbval (<= 10 min), a real browser (<= 2 min)
+test: test-unit test-labs test-browser
 
 test-unit: $(STAMP)
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q tests --ignore=tests/test_browser.py
+
+test-labs: $(STAMP)
+	$(PY) -m pytest -q --nbval-lax --nbval-current-env -p no:cacheprovider labs
+
+test-browser: $(STAMP)
+	$(PY) -m pytest -q tests/test_browser.py
+
+bench: $(STAMP)
+	$(PY) benchmarks/launch.py
+	$(PY) benchmarks/strategies.py
 
 clean:
-	rm -rf $(VENV) .pytest_cache build *.egg-info
+	rm -rf $(VENV) .pytest_cache build *.egg-info test-artifacts

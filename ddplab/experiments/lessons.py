@@ -43,6 +43,8 @@ def _data(rank, step, batch=16, dtype=torch.float64):
 def _wrap(strategy, model, bucket_cap_mb=0.001, recorder=None):
     from torch.nn.parallel import DistributedDataParallel as DDP
 
+    if callable(strategy):  # the learner's own function, called after backward
+        return model, (lambda: strategy(model))
     if strategy == "bucketed":
         return BucketedDDP(model, bucket_cap_mb=bucket_cap_mb, recorder=recorder), None
     if strategy == "overlap":
@@ -55,8 +57,14 @@ def _wrap(strategy, model, bucket_cap_mb=0.001, recorder=None):
     raise ValueError(f"unknown strategy {strategy!r}")
 
 
-def single_process_gap_on_rank(strategy="bucketed", steps=3, lr=0.1):
-    """Train ``strategy`` on this rank's data and, beside it, one model on ALL ranks' data."""
+def single_process_gap_on_rank(strategy="bucketed", steps=3, lr=0.1, sleep_on_rank=None):
+    """Train ``strategy`` on this rank's data and, beside it, one model on ALL ranks' data.
+
+    ``strategy``: a name, or your own function ``f(model)`` called after backward.
+    ``sleep_on_rank``: (rank, seconds) makes that rank a straggler before each backward.
+    """
+    import time
+
     import torch.distributed as dist
 
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -68,7 +76,10 @@ def single_process_gap_on_rank(strategy="bucketed", steps=3, lr=0.1):
     for step in range(steps):
         x, y = _data(rank, step)
         opt.zero_grad()
-        F.mse_loss(model(x), y).backward()
+        loss = F.mse_loss(model(x), y)
+        if sleep_on_rank and sleep_on_rank[0] == rank:
+            time.sleep(sleep_on_rank[1])
+        loss.backward()
         if after_backward:
             after_backward()
         opt.step()
@@ -81,9 +92,9 @@ def single_process_gap_on_rank(strategy="bucketed", steps=3, lr=0.1):
     return gaps
 
 
-def single_process_gap(cluster, strategy="bucketed", steps=3) -> list:
+def single_process_gap(cluster, strategy="bucketed", steps=3, sleep_on_rank=None) -> list:
     """Largest |parameter difference| vs one-process training, per step, worst rank."""
-    per_rank = cluster.run(single_process_gap_on_rank, strategy, steps)
+    per_rank = cluster.run(single_process_gap_on_rank, strategy, steps, 0.1, sleep_on_rank)
     return [max(g[s] for g in per_rank) for s in range(steps)]
 
 
@@ -183,3 +194,24 @@ def sampler_indices(dataset_len=10, world_size=4, drop_last=False) -> list:
     data = list(range(dataset_len))
     return [list(DistributedSampler(data, num_replicas=world_size, rank=r, shuffle=False,
                                     drop_last=drop_last)) for r in range(world_size)]
+
+
+def torch_env_names(prefix="NCCL_") -> dict:
+    """Environment variables that torch's own Python sources read, split by name.
+
+    Answers "is it NCCL_ASYNC_ERROR_HANDLING or TORCH_NCCL_ASYNC_ERROR_HANDLING?"
+    for the torch installed HERE, by reading its files rather than a forum post.
+    """
+    import pathlib
+    import re
+
+    root = pathlib.Path(torch.__file__).parent
+    names = set()
+    pattern = re.compile(r"\b((?:TORCH_)?" + re.escape(prefix) + r"[A-Z_]+)\b")
+    for path in list((root / "distributed").rglob("*.py")) + list((root / "csrc").rglob("*.h")):
+        try:
+            names.update(pattern.findall(path.read_text(errors="ignore")))
+        except OSError:
+            continue
+    return {"torch_prefixed": sorted(n for n in names if n.startswith("TORCH_")),
+            "plain": sorted(n for n in names if not n.startswith("TORCH_"))}

@@ -1,0 +1,83 @@
+"""Every figure as a standalone HTML page: the same picture without widgets or a kernel.
+
+Teaches nothing new; it makes the pictures portable. A page opens in any
+browser offline (plotly.js is inlined once, ~4.7 MB, however many figures the
+page holds), so CI artifacts, ``python -m ddplab compare --html FILE`` (via
+``compare_page``) and a learner without a live kernel all see the figures the
+notebook shows.
+
+Leaves out: interactivity that needs Python (the control panel); plotly's own
+zoom, pan and hover work.
+References: plotly.io.to_html (``include_plotlyjs``, ``full_html``).
+"""
+from __future__ import annotations
+
+import html as _html
+from pathlib import Path
+
+import plotly.graph_objects as go
+import plotly.io as pio
+
+from .compare import compare_figures, normalize_result
+from .gantt import timeline_figure
+
+_PAGE = """<!DOCTYPE html>
+<html><head><meta charset="utf-8"><title>{title}</title>
+<style>body{{font-family:system-ui,sans-serif;margin:1.5em;max-width:1300px}}
+figure{{margin:0 0 2em 0}} figcaption{{color:#444;margin:.3em 0 .6em}}</style>
+</head><body><h1>{title}</h1>{intro}
+{body}
+</body></html>
+"""
+
+
+def _static(fig) -> go.Figure:
+    # A FigureWidget carries widget state; a plain Figure is what to_html expects.
+    return go.Figure(fig) if isinstance(fig, go.FigureWidget) else fig
+
+
+def to_html(figures, title: str = "ddplab", captions=None, intro: str = "") -> str:
+    """One standalone page holding ``figures`` (a figure or a list), plotly.js inlined once."""
+    if isinstance(figures, (go.Figure, go.FigureWidget)):
+        figures = [figures]
+    captions = list(captions or [])
+    parts = []
+    for k, fig in enumerate(figures):
+        div = pio.to_html(_static(fig), include_plotlyjs=(k == 0), full_html=False,
+                          config={"displaylogo": False, "responsive": True})
+        cap = f"<figcaption>{_html.escape(captions[k])}</figcaption>" if k < len(captions) else ""
+        parts.append(f"<figure>{cap}{div}</figure>")
+    return _PAGE.format(title=_html.escape(title), body="\n".join(parts),
+                        intro=f"<p>{_html.escape(intro)}</p>" if intro else "")
+
+
+def write_html(path, figures, title: str = "ddplab", captions=None, intro: str = "") -> str:
+    """Write ``to_html(...)`` to ``path``; returns the path as a string."""
+    Path(path).write_text(to_html(figures, title, captions, intro), encoding="utf-8")
+    return str(path)
+
+
+def compare_report(timelines: dict, metrics: dict, title: str = "ddplab compare") -> str:
+    """The page ``compare --html`` writes: side by side, metrics, then each strategy in full."""
+    side, bars = compare_figures(timelines, metrics)
+    figs = [side, bars] + [timeline_figure(tl) for tl in timelines.values()]
+    captions = ["The last counted iteration of every strategy, on one time scale.",
+                "Medians over counted iterations; saved_ms is manual's step time minus each one's."]
+    gaps = (" Gaps between iterations are the other strategies' steps: compare() interleaves them."
+            if len(timelines) > 1 else "")
+    captions += [f"{name}: every recorded iteration; shaded ones are not averaged.{gaps}"
+                 for name in timelines]
+    link = next((tl.meta.get("simulated_link") for tl in timelines.values()
+                 if tl.meta.get("simulated_link")), None)
+    intro = (f"Communication on a SIMULATED link ({link.get('label', 'custom')}); compute is real. "
+             if link else "")
+    if any(tl.meta.get("demo") for tl in timelines.values()):
+        intro = "DEMO data: every number on this page is invented. " + intro
+    return to_html(figs, title, captions, intro)
+
+
+def compare_page(result, path, title: str = "ddplab compare") -> str:
+    """Write the report for one ``compare()`` result (what ``compare --html FILE`` does)."""
+    timelines, metrics = normalize_result(result)
+    Path(path).write_text(compare_report(timelines, metrics, title), encoding="utf-8")
+    return str(path)

@@ -1,0 +1,80 @@
+"""The control panel in a real JupyterLab, in a real browser: drawn, clicked, redrawn.
+
+A notebook builds the panel on demo timelines (no ranks, no engine), the
+browser runs every cell like a learner would, and the test checks what
+plotly actually drew: one SVG bar per bar in the figure's data, as many as
+the same code gives in this process. Then it clicks Run and waits for the
+timeline figure to change in place. Screenshots land in test-artifacts/.
+
+Skipped without Playwright or Chromium, except with CI=true, where that fails.
+Budget: under 2 minutes (typically ~20-30 s).
+"""
+import shutil
+
+import nbformat
+import pytest
+
+from _browser import (chromium, jupyterlab, notebook_errors, open_notebook,
+                      require_browser, run_all_cells, save_screenshots, wait_for_bars,
+                      wait_for_change)
+
+pytestmark = pytest.mark.timeout(120)
+
+PANEL_CODE = """\
+from ddplab.widgets import ControlPanel
+from ddplab.widgets.demo import DemoRunner
+
+panel = ControlPanel(runner=DemoRunner(), strategies=("manual", "overlap", "bucketed", "ddp"),
+                     bucket_cap_mb=5.0, n_params=20_000_000, link="10gbe", usable_cpus=2)
+panel.run()
+assert panel.last_error is None, panel.last_error
+panel
+"""
+TIMELINE = ".ddplab-panel .js-plotly-plot.ddplab-timeline"  # the FigureWidget's own element
+METRICS = ".ddplab-panel .js-plotly-plot.ddplab-metrics"
+
+
+def expected_bars():
+    """Bars the notebook's first run draws, computed by running the same code here."""
+    scope = {}
+    exec(PANEL_CODE, scope)
+    return sum(len(t.x) for t in scope["panel"].timeline_fig.data if t.type == "bar")
+
+
+def write_notebook(path):
+    nb = nbformat.v4.new_notebook()
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    nb.cells = [nbformat.v4.new_markdown_cell("# Browser test: the control panel on demo timelines"),
+                nbformat.v4.new_code_cell(PANEL_CODE),
+                nbformat.v4.new_code_cell('print("all cells ran")')]
+    nbformat.write(nb, str(path))
+
+
+def test_panel_renders_in_jupyterlab_and_run_redraws_the_timeline(tmp_path):
+    executable = require_browser()
+    root = tmp_path / "root"
+    root.mkdir()
+    write_notebook(root / "panel.ipynb")
+    want = expected_bars()
+    # tall enough that the whole panel is on screen for the screenshot
+    with jupyterlab(root, tmp_path / "lab") as lab, chromium(executable, height=2300) as page:
+        try:
+            open_notebook(page, lab, "panel.ipynb")
+            run_all_cells(page, timeout_s=60)
+            assert notebook_errors(page) == []
+            assert page.locator(".jp-OutputArea-output", has_text="all cells ran").count() == 1
+
+            first = wait_for_bars(page, TIMELINE)
+            assert first["drawn"] == first["in_data"] == want
+            assert any("SIMULATED link" in n for n in first["notes"])
+            assert wait_for_bars(page, METRICS)["drawn"] > 0
+            assert "Run #1 done" in page.locator(".ddplab-panel").inner_text()
+
+            page.locator(".ddplab-panel button.ddplab-run").click()
+            second = wait_for_change(page, TIMELINE, first["fingerprint"])
+            page.get_by_text("Run #2 done").first.wait_for(timeout=30_000)
+            assert second["drawn"] == second["in_data"] == want  # same layout, new timings
+            assert page.errors == []
+        finally:
+            shots = save_screenshots(page, "browser-panel", ".ddplab-panel")
+            shutil.copy(lab.log_path, shots[0].parent / "browser-jupyterlab.log")
