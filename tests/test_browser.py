@@ -14,7 +14,7 @@ import shutil
 import nbformat
 import pytest
 
-from _browser import (chromium, jupyterlab, notebook_errors, open_notebook,
+from _browser import (ROOT, chromium, jupyterlab, notebook_errors, open_notebook,
                       require_browser, run_all_cells, save_screenshots, wait_for_bars,
                       wait_for_change)
 
@@ -78,3 +78,34 @@ def test_panel_renders_in_jupyterlab_and_run_redraws_the_timeline(tmp_path):
         finally:
             shots = save_screenshots(page, "browser-panel", ".ddplab-panel")
             shutil.copy(lab.log_path, shots[0].parent / "browser-jupyterlab.log")
+
+
+def test_the_tour_runs_in_jupyterlab_and_its_panel_reruns_on_live_ranks(tmp_path):
+    """labs/tour.ipynb as a learner runs it: real ranks, real engine, real clicks."""
+    executable = require_browser()
+    root = tmp_path / "root"
+    root.mkdir()
+    tour = nbformat.read(str(ROOT / "labs" / "tour.ipynb"), as_version=4)
+    # Keep the ranks alive after Run All (the tour's last cell shuts them down) so
+    # that the click below re-runs on them, as a learner's click before that cell would.
+    assert "cluster.shutdown()" in tour.cells[-1].source
+    tour.cells = tour.cells[:-1]
+    nbformat.write(tour, str(root / "tour.ipynb"))
+    with jupyterlab(root, tmp_path / "lab") as lab, chromium(executable, height=2600) as page:
+        try:
+            open_notebook(page, lab, "tour.ipynb")
+            run_all_cells(page, timeout_s=75)
+            assert notebook_errors(page) == []
+            first = wait_for_bars(page, TIMELINE)
+            assert first["drawn"] == first["in_data"] > 0
+            assert any("SIMULATED link" in n for n in first["notes"])
+            # the cells above the panel drew the side-by-side timelines and metrics too
+            assert page.locator(".jp-OutputArea-output .js-plotly-plot").count() >= 2
+            page.locator(".ddplab-panel button.ddplab-run").click()
+            second = wait_for_change(page, TIMELINE, first["fingerprint"], timeout_s=45)
+            page.get_by_text("Run #2 done").first.wait_for(timeout=30_000)
+            assert second["drawn"] == second["in_data"] > 0
+            assert page.errors == []
+        finally:
+            shots = save_screenshots(page, "browser-tour", ".ddplab-panel")
+            shutil.copy(lab.log_path, shots[0].parent / "browser-tour-jupyterlab.log")
