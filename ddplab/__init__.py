@@ -6,10 +6,26 @@ torch's own DDP on recorded timelines. See README.md and labs/.
 """
 from .cluster import (Cluster, ClusterError, CollectiveTimeout, JobTimeout, RankDied, RankError,
                       launch)
+from .torchrun import init_from_env
 
 __version__ = "0.1.0"
 __all__ = ["Cluster", "launch", "ClusterError", "CollectiveTimeout", "JobTimeout", "RankDied",
-           "RankError", "average_gradients", "OverlapDDP", "BucketedDDP"]
+           "RankError", "average_gradients", "OverlapDDP", "BucketedDDP", "init_from_env"]
+
+
+def load_ipython_extension(ipython):
+    """``%load_ext ddplab``: the %ddp_* magics (ddplab.magics), imported only here
+    so that ranks and torchrun scripts never import IPython."""
+    from .magics import load_ipython_extension as load
+
+    load(ipython)
+
+
+def unload_ipython_extension(ipython):
+    from .magics import unload_ipython_extension as unload
+
+    unload(ipython)
+
 
 _SYNC = ("average_gradients", "OverlapDDP", "BucketedDDP")
 

@@ -163,6 +163,7 @@ class Cluster:
             for conn in ranks.conns:
                 conn.send_bytes(payload)
             outcome = self._collect(ranks, job_id, job_timeout)
+            ranks.drain()  # what the job printed belongs to this call, not the next one
         except KeyboardInterrupt:
             stacks = self._stacks(ranks, range(self.world_size))
             note = self._replace("Interrupted.")

@@ -70,6 +70,12 @@ class RankProcesses:
             self.procs.append(proc)
             self.conns.append(Connection(ours.detach()))
         self.pids = [p.pid for p in self.procs]
+        # Non-blocking pipes and one lock: drain() may read them from the kernel's
+        # thread while the pump thread also does, and neither may block or reorder.
+        self._read_lock = threading.Lock()
+        for proc in self.procs:
+            os.set_blocking(proc.stdout.fileno(), False)
+            os.set_blocking(proc.stderr.fileno(), False)
         self._pump = threading.Thread(target=self._pump_output, daemon=True,
                                       name=f"ddplab-output-{prefix}")
         self._pump.start()
@@ -82,13 +88,38 @@ class RankProcesses:
         open_pipes = 2 * len(self.procs)
         while open_pipes:
             for key, _ in sel.select(timeout=1.0):
-                data = os.read(key.fileobj.fileno(), 65536)
-                if not data:
+                with self._read_lock:
+                    still_open = self._read_pipe(key.fileobj, *key.data)
+                if not still_open:
                     sel.unregister(key.fileobj)
                     open_pipes -= 1
-                    continue
-                self.output.put((key.data[0], key.data[1], data))
         sel.close()
+
+    def _read_pipe(self, pipe, rank: int, stream: str) -> bool:
+        """Queue what one pipe holds now; False once it is closed (the rank is gone)."""
+        while True:
+            try:
+                data = os.read(pipe.fileno(), 65536)
+            except BlockingIOError:
+                return True
+            except (OSError, ValueError):  # closed under us by stop()
+                return False
+            if not data:
+                return False
+            self.output.put((rank, stream, data))
+
+    def drain(self) -> None:
+        """Queue everything the ranks wrote so far.
+
+        A rank writes its output before it sends a job's result, but the pump
+        thread may not have read it yet when the result arrives; draining
+        here keeps a job's output in its own cell instead of the next one."""
+        with self._read_lock:
+            for rank, proc in enumerate(self.procs):
+                for stream in ("stdout", "stderr"):
+                    pipe = getattr(proc, stream)
+                    if not pipe.closed:
+                        self._read_pipe(pipe, rank, stream)
 
     def wait_ready(self, deadline: float) -> list[tuple]:
         """Wait for every rank's first message; returns them by rank."""

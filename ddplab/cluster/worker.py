@@ -146,15 +146,29 @@ def _preimport() -> None:
         preimported.set()
 
 
+try:
+    _LIBC = ctypes.CDLL(None)  # this process's C library: its stdio buffers C/C++ output
+except OSError:
+    _LIBC = None
+
+
+def _flush_output() -> None:
+    """Push the job's output into the pipes (Python's and C's stdio) before its
+    result is sent, so the kernel finds all of it there once the result arrives."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    if _LIBC is not None:
+        _LIBC.fflush(None)
+
+
 def _run_job(chan: _Channel, job_id: int, fn, args, kwargs) -> None:
     try:
-        result = fn(*args, **kwargs)
-        chan.send(("ok", job_id, to_cpu(result)))
+        result = to_cpu(fn(*args, **kwargs))
+        _flush_output()
+        chan.send(("ok", job_id, result))
     except BaseException as exc:  # noqa: BLE001 - everything goes back to the kernel
+        _flush_output()
         chan.send(("err", job_id, error_info(exc, skip_frames=1)))
-    finally:
-        sys.stdout.flush()
-        sys.stderr.flush()
 
 
 def _leave(code: int = 0) -> None:

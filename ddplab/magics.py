@@ -1,0 +1,241 @@
+"""IPython magics: write data-parallel code in cells, on live ranks, then take it to torchrun.
+
+Teaches: data-parallel code is one program that every rank runs. A ``%%ddp``
+cell is that program, grown a cell at a time: its source runs on EVERY rank,
+in a namespace per rank that persists across cells (build a model in one
+cell, register hooks in the next, train in a third), with ``rank``,
+``local_rank``, ``world_size`` and ``device`` defined as under torchrun.
+``%ddp_export`` then writes the cells as a script for ``torchrun``.
+
+    %load_ext ddplab
+    %ddp_start 2 [--backend gloo|nccl|auto] [--timeout S]
+    %%ddp [--timeout S] [--ranks 0,1]      (--ranks filters the output shown only)
+    %ddp_push NAME [NAME ...]              kernel -> every rank
+    %ddp_pull NAME                         every rank -> kernel: a list by rank
+    %ddp_stop
+    %ddp_export FILE.py
+
+How a cell runs: the kernel compiles it (a syntax error never reaches the
+ranks) under a file name like ``<ddp-cell-7>`` that it also puts in its own
+``linecache``, and each rank runs ``exec(code, namespace)``. A rank's
+traceback is rebuilt in the kernel from that linecache, so it shows the
+cell's own lines, numbered as the notebook's editor numbers them.
+
+Leaves out, compared with ipyparallel's %%px: engines on other machines,
+non-blocking cells and ``--targets`` (every rank must run every cell, or the
+collectives would not match); a cell's last expression is not displayed.
+
+References: IPython's Magics API; ipyparallel's %%px (and its
+``_render_traceback_`` for remote errors); torchrun.
+"""
+from __future__ import annotations
+
+import linecache
+import os
+import traceback
+
+from IPython.core.error import UsageError
+from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
+from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
+
+from . import export
+from .cluster import Cluster, RankError
+
+
+class _RankNamespace:
+    """Stands for ``ddplab.cluster.worker.namespace``: it becomes that dict when a
+    rank unpickles it, so ``exec``, ``eval`` and ``dict.update`` can be sent as
+    they are and no wrapper frame shows up in a cell's traceback."""
+
+    def __reduce__(self):
+        from .cluster import worker
+
+        return getattr, (worker, "namespace")
+
+
+RANK_NAMESPACE = _RankNamespace()
+
+
+def _rank_list(text: str) -> set[int]:
+    try:
+        return {int(r) for r in text.split(",") if r.strip()}
+    except ValueError:
+        raise UsageError(f"--ranks takes rank numbers separated by commas, e.g. --ranks 0,1; got {text!r}") from None
+
+
+def _show_message_only(exc: RankError) -> None:
+    # IPython draws an exception with _render_traceback_ from that alone (as it
+    # does for ipyparallel's remote errors): the rank tracebacks in the message
+    # are what matters, not the kernel frames of the magic and the Cluster.
+    exc._render_traceback_ = lambda: [f"{type(exc).__name__}: {exc}"]
+
+
+@magics_class
+class DDPMagics(Magics):
+    """The ``%ddp_*`` magics; one Cluster per kernel, in ``self.cluster``."""
+
+    def __init__(self, shell):
+        super().__init__(shell)
+        self.cluster: Cluster | None = None
+        self.recording: export.Recording | None = None
+        self._pids: list[int] = []  # the ranks the recording and the names belong to
+        self._backend = "auto"
+        self._filenames: set[str] = set()
+
+    # -- lifecycle -------------------------------------------------------------
+    @magic_arguments()
+    @argument("world_size", type=int, help="number of ranks")
+    @argument("--backend", default="auto", help="auto (nccl with one GPU per rank, else gloo), gloo or nccl")
+    @argument("--timeout", type=float, default=60.0,
+              help="seconds a collective may stall before it fails (not a limit on the cell)")
+    @line_magic
+    def ddp_start(self, line):
+        """Start N ranks that keep their state across %%ddp cells."""
+        args = parse_argstring(self.ddp_start, line)
+        if self.cluster is not None:
+            print(f"A cluster is already running: {self.cluster!r}. It is kept, with "
+                  "everything its ranks hold; run %ddp_stop first to start a different one.")
+            return
+        try:
+            self.cluster = Cluster(args.world_size, backend=args.backend, timeout=args.timeout)
+        except ValueError as exc:
+            raise UsageError(str(exc)) from None
+        self._backend = args.backend
+        self._prepare_ranks()
+        c = self.cluster
+        print(f"{c.world_size} ranks ready ({c.backend}, pids {c.pids}) in {c.start_seconds:.1f} s. "
+              "%%ddp cells run on every rank, with rank, local_rank, world_size and device defined.")
+
+    @line_magic
+    def ddp_stop(self, line=""):
+        """Stop the ranks. The recording stays for %ddp_export until the next %ddp_start."""
+        if self.cluster is None:
+            print("No cluster is running.")
+            return
+        cluster, self.cluster = self.cluster, None
+        cluster.shutdown()
+        print(f"Stopped {cluster.world_size} ranks.")
+
+    def _need_cluster(self) -> Cluster:
+        if self.cluster is None:
+            raise UsageError("no ranks are running: start them with %ddp_start 2")
+        return self.cluster
+
+    def _prepare_ranks(self) -> None:
+        """Fresh ranks (first start, or replaced after a failure): define the
+        names cells rely on and start a new recording, since state is gone."""
+        from . import torchrun
+
+        cluster = self.cluster
+        cluster.run(torchrun.publish_names, RANK_NAMESPACE)
+        self._pids = cluster.pids
+        self.recording = export.Recording(cluster.world_size, self._backend, cluster.timeout)
+
+    def _run(self, fn, args, job_timeout=None, show_ranks=None) -> list:
+        cluster = self._need_cluster()
+        if cluster.pids != self._pids:  # the Cluster replaced its ranks after a failure
+            self._prepare_ranks()
+        try:
+            return cluster.run_job(fn, args, job_timeout=job_timeout, show_ranks=show_ranks)
+        except RankError as exc:
+            _show_message_only(exc)
+            raise
+
+    # -- cells -----------------------------------------------------------------
+    @magic_arguments()
+    @argument("--timeout", type=float, default=None, help="wall-clock limit for this cell, in seconds")
+    @argument("--ranks", type=_rank_list, default=None, help="show only these ranks' output, e.g. 0 or 0,2")
+    @cell_magic
+    def ddp(self, line, cell):
+        """Run the cell on every rank, in that rank's persistent namespace."""
+        args = parse_argstring(self.ddp, line)
+        cluster = self._need_cluster()
+        if args.ranks is not None and not args.ranks <= set(range(cluster.world_size)):
+            raise UsageError(f"--ranks {sorted(args.ranks)}: ranks are 0..{cluster.world_size - 1}")
+        if args.timeout is not None and not args.timeout > 0:
+            raise UsageError("--timeout takes a positive number of seconds")
+        filename = self._new_filename()
+        magic_line = f"%%ddp {line}".rstrip()
+        # Keep the %%ddp line in front so line numbers match the notebook's editor.
+        shown = magic_line + "\n" + cell
+        linecache.cache[filename] = (len(shown), None, shown.splitlines(True), filename)
+        try:
+            code = compile("\n" + cell, filename, "exec")
+        except SyntaxError as exc:
+            # Raised as is, IPython would list this magic's frames above the cell's line.
+            raise UsageError("this cell was not sent to the ranks:\n"
+                             + "".join(traceback.format_exception_only(exc)).rstrip()) from None
+        try:
+            self._run(exec, (code, RANK_NAMESPACE), args.timeout, args.ranks)
+        except RankError as exc:
+            if self.cluster.pids == self._pids:  # ranks kept: note the gap in the recording
+                self.recording.add_left_out(filename, str(exc).splitlines()[0])
+            raise
+        if cell.strip():
+            self.recording.add_cell(filename, cell, line.strip())
+
+    def _new_filename(self) -> str:
+        # Named after the cell's In[n] so a learner can find it (IPython has already
+        # counted the running cell, hence - 1); a name is never reused, since old
+        # tracebacks still point at it: a second %%ddp from one cell gets a suffix.
+        base = f"ddp-cell-{max(self.shell.execution_count - 1, 0)}"
+        name, k = f"<{base}>", 1
+        while name in self._filenames:
+            k += 1
+            name = f"<{base}.{k}>"
+        self._filenames.add(name)
+        return name
+
+    # -- moving values ---------------------------------------------------------
+    @line_magic
+    def ddp_push(self, line):
+        """Send kernel variables to every rank: ``%ddp_push lr model_config``."""
+        names = line.split()
+        if not names:
+            raise UsageError("usage: %ddp_push NAME [NAME ...] (variables of this notebook)")
+        for name in names:
+            if not name.isidentifier():
+                raise UsageError(f"%ddp_push takes variable names, got {name!r}")
+            if name not in self.shell.user_ns:
+                raise UsageError(f"{name!r} is not defined in the notebook; define it, then %ddp_push {name}")
+        values = {name: self.shell.user_ns[name] for name in names}
+        self._run(dict.update, (RANK_NAMESPACE, values))
+        for name, value in values.items():
+            self.recording.add_push(name, value)
+
+    @line_magic
+    def ddp_pull(self, line):
+        """Fetch a name (or any expression) from every rank: a list indexed by rank."""
+        expr = line.strip()
+        if not expr:
+            raise UsageError("usage: %ddp_pull NAME (returns [value on rank 0, value on rank 1, ...])")
+        try:
+            code = compile(expr, "<ddp_pull>", "eval")
+        except SyntaxError as exc:
+            raise UsageError(f"%ddp_pull {expr}: {exc.msg}") from None
+        return self._run(eval, (code, RANK_NAMESPACE))
+
+    @line_magic
+    def ddp_export(self, line):
+        """Write this session's %%ddp cells as a torchrun script: ``%ddp_export train.py``."""
+        path = os.path.expanduser(line.strip())
+        if not path.endswith(".py"):
+            raise UsageError("usage: %ddp_export FILE.py")
+        if self.recording is None or not self.recording.entries:
+            raise UsageError("nothing to export: no %%ddp cell has run since the ranks started")
+        export.write_script(path, self.recording)
+        print(export.export_hint(path, self.recording))
+
+
+def load_ipython_extension(ipython) -> None:
+    """``%load_ext ddplab``."""
+    ipython.register_magics(DDPMagics)
+
+
+def unload_ipython_extension(ipython) -> None:
+    magics = ipython.magics_manager.registry.get("DDPMagics")
+    if magics is not None and magics.cluster is not None:
+        magics.ddp_stop()
+
+
+__all__ = ["DDPMagics", "load_ipython_extension", "unload_ipython_extension", "RANK_NAMESPACE"]

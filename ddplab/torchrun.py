@@ -1,0 +1,181 @@
+"""Joining a process group that torchrun started: the same code, another launcher.
+
+Teaches: in a notebook the kernel starts the ranks (``ddplab.Cluster``); on
+real servers ``torchrun`` does, one process per rank on every machine, and
+tells each process its place through environment variables:
+
+    RANK              global rank, 0 .. WORLD_SIZE-1
+    LOCAL_RANK        rank among the processes on this machine: the GPU to use
+    WORLD_SIZE        ranks in all, over every machine
+    LOCAL_WORLD_SIZE  ranks on this machine (they share its cores and GPUs)
+    MASTER_ADDR/PORT  where the rendezvous store lives
+
+``init_from_env()`` reads them and joins the group, choosing the backend and
+the threads per rank exactly as the Cluster does, so a %%ddp cell and its
+``%ddp_export`` script run the same way. It returns a ``DistEnv`` whose
+``rank``, ``local_rank``, ``world_size`` and ``device`` are the names every
+%%ddp cell finds on its rank (``publish_names``).
+
+Launch (the exported script's docstring repeats these):
+    one machine, 2 ranks:       torchrun --nproc-per-node=2 train.py
+    2 machines x 4 GPUs, on each of them:
+        torchrun --nnodes=2 --nproc-per-node=4 --rdzv-backend=c10d \\
+                 --rdzv-endpoint=HOST:PORT --rdzv-id=JOB train.py
+    HOST is an address of one machine that the other can reach, PORT a free
+    port there; the rendezvous decides which machine holds ranks 0-3.
+
+Leaves out, compared with torchrun and torch.distributed: elastic membership
+and restarts (``--max-restarts``), torchrun's error files, and other
+launchers' variables (SLURM_PROCID, OMPI_COMM_WORLD_RANK): set RANK etc.
+from them yourself. ``finish()`` is not in torch: it is how a rank leaves
+without gloo's teardown abort (see worker.py).
+
+References: https://docs.pytorch.org/docs/stable/elastic/run.html
+(environment variables, multi-node); torch.distributed.init_process_group
+with the ``env://`` init method; nanoGPT's train.py launch comments.
+"""
+from __future__ import annotations
+
+import datetime
+import os
+import sys
+from typing import NamedTuple
+
+from .cluster import resources
+
+REQUIRED = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+class TorchrunEnvError(RuntimeError):
+    """init_from_env() was called outside torchrun, or with malformed variables."""
+
+
+class DistEnv(NamedTuple):
+    """Where this process sits in the group."""
+    rank: int
+    local_rank: int
+    world_size: int
+    local_world_size: int
+    backend: str
+    device: object  # a torch.device (typed loosely: importing this module must not import torch)
+
+
+def _launch_hint() -> str:
+    script = os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0].endswith(".py") else "train.py"
+    return (
+        "Launch the script with torchrun, e.g.\n"
+        f"    torchrun --nproc-per-node=2 {script}\n"
+        "or, on each of 2 machines (4 GPUs each):\n"
+        "    torchrun --nnodes=2 --nproc-per-node=4 --rdzv-backend=c10d "
+        f"--rdzv-endpoint=HOST:PORT --rdzv-id=JOB {script}\n"
+        "In a notebook, start ranks with %ddp_start 2 (or ddplab.Cluster(2)) instead."
+    )
+
+
+def read_env(environ=None) -> dict:
+    """The torchrun variables as ints/strings; TorchrunEnvError names what is missing."""
+    environ = os.environ if environ is None else environ
+    missing = [name for name in REQUIRED if not environ.get(name)]
+    if missing:
+        raise TorchrunEnvError(
+            "init_from_env() joins a process group that torchrun started, but "
+            f"{', '.join(missing)} {'is' if len(missing) == 1 else 'are'} not set.\n" + _launch_hint())
+    values = {"master_addr": environ["MASTER_ADDR"]}
+    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_PORT", "LOCAL_WORLD_SIZE"):
+        # LOCAL_WORLD_SIZE is optional: torchrun sets it, hand-made launches may not.
+        raw = environ.get(name, environ["WORLD_SIZE"] if name == "LOCAL_WORLD_SIZE" else None)
+        try:
+            values[name.lower()] = int(raw)
+        except ValueError:
+            raise TorchrunEnvError(f"{name}={raw!r} is not an integer.\n" + _launch_hint()) from None
+    if not 0 <= values["rank"] < values["world_size"]:
+        raise TorchrunEnvError(f"RANK={values['rank']} is outside 0..WORLD_SIZE-1 "
+                               f"(WORLD_SIZE={values['world_size']}).")
+    if not 0 <= values["local_rank"] < values["local_world_size"]:
+        raise TorchrunEnvError(f"LOCAL_RANK={values['local_rank']} is outside 0..LOCAL_WORLD_SIZE-1 "
+                               f"(LOCAL_WORLD_SIZE={values['local_world_size']}).")
+    return values
+
+
+def init_from_env(backend: str = "auto", timeout: float | None = None,
+                  threads: int | None = None) -> DistEnv:
+    """Join the group torchrun started; return this rank's ``DistEnv``.
+
+    ``backend="auto"`` is nccl when every rank on this machine can have its
+    own GPU, else gloo (``resources.choose_backend``, as the Cluster does).
+    ``timeout`` (seconds) bounds how long a collective may stall; None keeps
+    torch's default. ``threads`` defaults to this machine's usable CPUs
+    divided by the ranks on it, overriding torchrun's OMP_NUM_THREADS=1.
+    Calling it again in the same process returns the same DistEnv.
+    """
+    import torch
+    import torch.distributed as dist
+
+    env = read_env()
+    if dist.is_initialized():
+        return current_env()
+    # Ranks share this machine's GPUs and cores, not the whole job's: count local ranks.
+    backend = resources.choose_backend(backend, env["local_world_size"])
+    torch.set_num_threads(threads or resources.threads_per_rank(env["local_world_size"]))
+    kwargs = {}
+    if backend == "nccl":
+        # Select this rank's GPU before any CUDA work, or every rank would
+        # create a context on GPU 0; device_id also binds the communicator to it.
+        torch.cuda.set_device(env["local_rank"])
+        kwargs["device_id"] = torch.device("cuda", env["local_rank"])
+    if timeout is not None:
+        kwargs["timeout"] = datetime.timedelta(seconds=timeout)
+    # env:// reads MASTER_ADDR/MASTER_PORT (and torchrun's agent store) itself.
+    dist.init_process_group(backend, init_method="env://", rank=env["rank"],
+                            world_size=env["world_size"], **kwargs)
+    return current_env()
+
+
+def current_env() -> DistEnv:
+    """Describe this rank once its group is up: under torchrun or in a Cluster rank."""
+    import torch
+    import torch.distributed as dist
+
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    backend = dist.get_backend()
+    # A Cluster's ranks all live on the kernel's machine and have no LOCAL_RANK.
+    local_rank = int(os.environ.get("LOCAL_RANK", rank))
+    local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+    device = torch.device("cuda", local_rank) if backend == "nccl" else torch.device("cpu")
+    return DistEnv(rank, local_rank, world_size, local_world_size, backend, device)
+
+
+def publish_names(namespace: dict) -> None:
+    """Put ``rank``, ``local_rank``, ``world_size`` and ``device`` into a %%ddp namespace.
+
+    Runs on each Cluster rank; the exported script gets the same names from
+    ``init_from_env()``, so cells that use them run unchanged under torchrun.
+    """
+    env = current_env()
+    namespace.update(rank=env.rank, local_rank=env.local_rank, world_size=env.world_size,
+                     device=env.device)
+
+
+def finish(code: int = 0) -> None:
+    """End a torchrun script: wait for every rank, leave the group, exit now.
+
+    Exiting through the interpreter's teardown with a live gloo group can
+    abort the process ("terminate called without an active exception"), and
+    torchrun would report the run as failed. So the rank destroys the group
+    and leaves by ``os._exit``, as the Cluster's ranks do.
+    """
+    import torch.distributed as dist
+
+    try:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        if dist.is_initialized():
+            dist.barrier()  # nobody tears down while a peer still needs it
+            dist.destroy_process_group()
+    except BaseException as exc:  # noqa: BLE001 - report, then still leave without teardown
+        print(f"ddplab.torchrun.finish: {type(exc).__name__}: {exc}", file=sys.stderr)
+        code = code or 1
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)

@@ -1,0 +1,128 @@
+"""The same code under torchrun: init_from_env, exported scripts, two "nodes" on one machine.
+
+The multi-node test runs one exported script as a learner with 2 machines
+would: two torchrun invocations (here 2 ranks each), one c10d rendezvous.
+Both "nodes" are this machine, so they meet on localhost at a port the OS
+says is free. With c10d, torch ignores --node-rank (it warns): the rendezvous
+orders the nodes, so the test passes ``is_host`` to say which invocation
+hosts the rendezvous store, and does not assume which node got ranks 0-1.
+"""
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import uuid
+
+import pytest
+import torch
+
+from ddplab import export
+from ddplab.torchrun import REQUIRED, TorchrunEnvError, init_from_env, read_env
+
+CELL_1 = """import torch
+import torch.distributed as dist
+t = torch.tensor([float(rank)], device=device)  # cuda:local_rank with nccl
+dist.all_reduce(t)
+print(f"rank={rank} local_rank={local_rank} world_size={world_size} device={device} sum={t.item():g}")
+"""
+CELL_2 = 'print(f"pushed {scale * offsets[rank].item():g} {big.sum().item():g}")\n'
+
+
+def recording(world_size: int, backend: str = "gloo") -> export.Recording:
+    """What a notebook session would have recorded: a cell, three pushes, a cell."""
+    rec = export.Recording(world_size, backend=backend, timeout=60.0)
+    rec.add_cell("<ddp-cell-3>", CELL_1)
+    rec.add_push("scale", 3)  # a literal: written as code
+    rec.add_push("offsets", torch.arange(4.0))  # a small tensor: written as code
+    rec.add_push("big", torch.ones(500))  # too big for code: saved beside the script
+    rec.add_cell("<ddp-cell-5>", CELL_2)
+    return rec
+
+
+def free_port() -> int:
+    # The OS picks; a tiny window remains before torchrun binds it (never a fixed port).
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def by_rank(text: str) -> dict[int, list[str]]:
+    out: dict[int, list[str]] = {}
+    for line in text.splitlines():
+        if line.startswith("[rank "):
+            head, _, rest = line.partition("] ")
+            out.setdefault(int(head[len("[rank "):]), []).append(rest)
+    return out
+
+
+def torchrun_env() -> dict:
+    env = dict(os.environ, TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE="[rank ${rank}] ")
+    env.setdefault("GLOO_SOCKET_IFNAME", "lo")  # both "nodes" live on this machine's loopback
+    return env
+
+
+def test_init_from_env_outside_torchrun_names_what_is_missing(monkeypatch):
+    for name in REQUIRED:
+        monkeypatch.delenv(name, raising=False)
+    with pytest.raises(TorchrunEnvError) as info:
+        init_from_env()
+    message = str(info.value)
+    assert all(name in message for name in REQUIRED)
+    assert "torchrun --nproc-per-node=2" in message and "%ddp_start" in message
+    partial = {"RANK": "0", "WORLD_SIZE": "2"}
+    with pytest.raises(TorchrunEnvError, match="LOCAL_RANK, MASTER_ADDR, MASTER_PORT are not set"):
+        read_env(partial)
+    with pytest.raises(TorchrunEnvError, match="RANK='x' is not an integer"):
+        read_env(dict(partial, RANK="x", LOCAL_RANK="0", MASTER_ADDR="h", MASTER_PORT="1"))
+
+
+def test_pushed_values_are_reproduced_or_clearly_marked():
+    rec = recording(2)
+    rec.add_push("make", lambda x: x)  # no source form
+    text, saved = export.script_text(rec, "train.py", "train.pushed.pt")
+    assert "scale = 3\n" in text
+    assert "offsets = torch.tensor([0.0, 1.0, 2.0, 3.0], dtype=torch.float32)" in text
+    assert "big = _ddp_pushed['big#3']" in text and torch.equal(saved["big#3"], torch.ones(500))
+    assert "raise NotImplementedError('make was pushed from the notebook (a function)" in text
+    assert text.index(CELL_1.strip()) < text.index("scale = 3") < text.index(CELL_2.strip())
+    assert text.rstrip().endswith("ddplab.torchrun.finish()")
+
+
+def test_exported_script_on_two_nodes(tmp_path):
+    export.write_script(tmp_path / "train.py", recording(2))
+    port, job = free_port(), f"ddplab-{uuid.uuid4().hex[:8]}"
+    nodes = []
+    for is_host in (1, 0):
+        nodes.append(subprocess.Popen(
+            [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=2",
+             "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", f"--rdzv-id={job}",
+             f"--rdzv-conf=is_host={is_host},join_timeout=60", "--tee=3", "train.py"],
+            cwd=tmp_path, env=torchrun_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    try:
+        outputs = [node.communicate(timeout=120) for node in nodes]
+    finally:
+        for node in nodes:
+            node.kill()
+    for node, (_, err) in zip(nodes, outputs):
+        assert node.returncode == 0, err[-3000:]
+    seen = {}
+    for out, _ in outputs:
+        lines = by_rank(out)
+        assert len(lines) == 2 and sorted(lines) in ([0, 1], [2, 3])  # one machine, two GPUs' worth
+        seen.update(lines)
+    assert seen == {r: [f"rank={r} local_rank={r % 2} world_size=4 device=cpu sum=6",
+                        f"pushed {3 * r} 500"] for r in range(4)}
+
+
+@pytest.mark.gpu
+def test_exported_script_takes_one_gpu_per_rank_with_nccl(tmp_path):
+    export.write_script(tmp_path / "train.py", recording(2, backend="auto"))
+    run = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+         "--tee=3", "train.py"],
+        cwd=tmp_path, env=torchrun_env(), capture_output=True, text=True, timeout=180)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert by_rank(run.stdout) == {r: [f"rank={r} local_rank={r} world_size=2 device=cuda:{r} sum=1",
+                                       f"pushed {3 * r} 500"] for r in range(2)}
