@@ -37,10 +37,19 @@ STRATEGIES = ("none", "manual", "manual_flat", "overlap", "bucketed", "ddp")
 class StrategyRunner:
     def __init__(self, name: str, cfg: dict, rank: int, world_size: int, backend: str):
         self.name, self.cfg, self.rank = name, cfg, rank
+        # NCCL: each rank owns the GPU the Cluster selected for it (torch.cuda.set_device).
+        self.device = (torch.device("cuda", torch.cuda.current_device()) if backend == "nccl"
+                       else torch.device("cpu"))
         base = models.build(cfg["model"], seed=cfg["seed"], **cfg.get("model_kwargs", {}))
+        base = base.to(self.device)
         # Phases are always stamped; bucket events only when recording is on.
         # torch DDP ("ddp") is never traced: its step time is the reference.
         self.recorder = Recorder(name, rank, world_size, backend)
+        if backend == "nccl":
+            # CPU stamps would be when the host queued NCCL work, not when it ran.
+            from ..timeline.cuda_events import CudaStamps
+
+            self.recorder.cuda_stamps = CudaStamps(self.device)
         rec = self.recorder if cfg.get("record", True) else None
         self.tracer = None
         self.sync_after_backward = None
@@ -62,7 +71,8 @@ class StrategyRunner:
         elif name in ("ddp", "ddp_traced"):
             from torch.nn.parallel import DistributedDataParallel as DDP
 
-            self.model = DDP(base, bucket_cap_mb=cfg["bucket_cap_mb"])
+            ids = [self.device.index] if self.device.type == "cuda" else None
+            self.model = DDP(base, bucket_cap_mb=cfg["bucket_cap_mb"], device_ids=ids)
             if name == "ddp_traced":
                 from ..sync.ddp_trace import DDPTracer
 
@@ -84,6 +94,7 @@ class StrategyRunner:
     def step(self, i: int) -> None:
         cfg, rec = self.cfg, self.recorder
         x, y = models.batch(cfg["model"], cfg["batch_size"], self.rank, i)
+        x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
         flags = {"warmup"} if i < cfg["warmup"] else set()
         rec.begin_iteration(i, flags)
         with comm.counting() as counted:

@@ -38,6 +38,9 @@ class Recorder:
         # may arrive just after the loop moved on to the next iteration (a future's
         # callbacks can run after wait() has returned), and still finds its record.
         self._in_flight: dict[int, list] = {}
+        # On GPUs: a ddplab.timeline.cuda_events.CudaStamps; the choke point then
+        # times all-reduces with CUDA events, resolved at the end of each iteration.
+        self.cuda_stamps = None
 
     # -- iterations and phases (called by the training loop) -------------------
     def begin_iteration(self, iteration: int, flags=()) -> None:
@@ -52,16 +55,27 @@ class Recorder:
     @contextlib.contextmanager
     def phase(self, name: str, source: str = "cpu"):
         t0 = now()
+        gpu = self.cuda_stamps
+        e0 = gpu.phase_event() if gpu is not None else None
         try:
             yield
         finally:
             if self._it is not None:
                 self._it.phases[name] = (t0, now())
                 self._it.sources[name] = source
+                if gpu is not None:  # replaced by GPU time when the iteration ends
+                    gpu.add_phase(name, e0, gpu.phase_event())
+
+    def set_phase(self, name: str, start: float, end: float, source: str) -> None:
+        if self._it is not None:
+            self._it.phases[name] = (start, end)
+            self._it.sources[name] = source
 
     def end_iteration(self) -> None:
         if self._it is None:
             return
+        if self.cuda_stamps is not None:
+            self.cuda_stamps.resolve(self)  # one synchronize per iteration, after the step
         self._it.end = now()
         back, wait = self._it.phases.get("backward"), self._it.phases.get("wait")
         if back and wait and back[0] <= wait[0] <= back[1]:
