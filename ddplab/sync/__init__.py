@@ -4,13 +4,16 @@
 - ``OverlapDDP(module)``: one async all-reduce per parameter, launched from
   its post-accumulate-grad hook while backward goes on.
 - ``BucketedDDP(module, bucket_cap_mb=25.0)``: torch DDP's design: buckets in
-  reverse parameter order, launched in index order as soon as they are ready.
+  reverse parameter order, launched in index order as soon as they are ready;
+  with torch's options ``find_unused_parameters``, ``gradient_as_bucket_view``,
+  ``static_graph``, a small first bucket (``first_bucket_cap_mb``) and
+  ``register_comm_hook`` (hooks, fp16/bf16 compression: ``comm_hooks``).
 
 Every collective goes through ``ddplab.sync.comm`` (bytes counted, optional
 recorder, the place a simulated link attaches). These modules know nothing
 about notebooks or clusters: they take a module and an optional process group.
 """
-from . import comm
+from . import comm, comm_hooks
 from .bucket import MB, assign_buckets
 from .bucketed import BucketedDDP
 from .comm import ListRecorder, counting
@@ -18,4 +21,4 @@ from .manual import average_gradients, broadcast_parameters
 from .overlap import OverlapDDP
 
 __all__ = ["average_gradients", "broadcast_parameters", "OverlapDDP", "BucketedDDP", "comm",
-           "counting", "ListRecorder", "assign_buckets", "MB"]
+           "comm_hooks", "counting", "ListRecorder", "assign_buckets", "MB"]

@@ -21,8 +21,9 @@ because they are not "the all-reduce":
 - misuse fails loudly: no process group, nothing to train, or a parameter
   that got no gradient (its all-reduce would never start; the error names it).
 
-Leaves out, compared with torch DDP: ``find_unused_parameters``,
-``static_graph``, ``gradient_as_bucket_view``, device placement
+Leaves out, compared with torch DDP (BucketedDDP adds ``find_unused_parameters``,
+``static_graph``, ``gradient_as_bucket_view`` and comm hooks; see
+``bucketed.py``): device placement
 (``device_ids``), the check that every rank holds same-shaped parameters,
 Join, mixed precision, and torch's rule that skips the buffer broadcast at a
 forward that follows a ``no_sync`` or no-grad forward (here every forward
@@ -104,6 +105,10 @@ class GradSyncModule(nn.Module):
         self._params = [p for _, p in named]
         self._expect_hooks = False  # set at forward: this backward should sync
         self._hooks_fired = False  # some hook ran; the end-of-backward callback is queued
+        # Subclasses that track which parameters got a gradient (unused-parameter
+        # detection) set a bytearray here; the hooks write 1 at their index,
+        # also inside no_sync, so micro-steps count.
+        self._seen = None
         self._sync_module_states()
         self._handles = [p.register_post_accumulate_grad_hook(self._make_hook(i))
                          for i, p in enumerate(self._params)]
@@ -147,7 +152,11 @@ class GradSyncModule(nn.Module):
 
         def hook(param):  # post-accumulate-grad hooks receive the PARAMETER
             self = wrapper()
-            if self is None or not self._expect_hooks:
+            if self is None:
+                return
+            if self._seen is not None:
+                self._seen[index] = 1
+            if not self._expect_hooks:
                 return
             if not self._hooks_fired:
                 self._hooks_fired = True
@@ -182,8 +191,9 @@ class GradSyncModule(nn.Module):
                 f"{type(self).__name__} on rank {rank}: parameter(s) {', '.join(missing)} got no "
                 "gradient in this backward, so their all-reduce never started and the other "
                 "ranks would wait for it. Make every trainable parameter take part in the "
-                "loss, or freeze it (p.requires_grad_(False)) before wrapping. (torch's "
-                "DistributedDataParallel offers find_unused_parameters=True for this.)")
+                "loss, or freeze it (p.requires_grad_(False)) before wrapping. (For parameters "
+                "that sit out some iterations or some ranks, BucketedDDP and torch's "
+                "DistributedDataParallel take find_unused_parameters=True.)")
 
     def _grad_ready(self, index, param):
         raise NotImplementedError

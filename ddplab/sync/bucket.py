@@ -10,26 +10,51 @@ Teaches the two halves of bucketing.
    parameter larger than the cap gets a bucket of its own. A change of dtype
    or device also closes a bucket, since one flat buffer has one of each.
 
-   torch's reducer differs in two ways worth knowing: it closes a bucket
-   only AFTER it has gone over the cap (so its buckets are usually a little
-   larger than the cap), and after the first iteration it rebuilds its
-   buckets in the order gradients actually became ready (iteration 0 uses
-   one bucket holding everything). Here the layout never changes.
+   ``first_bucket_cap_mb`` gives bucket 0 a cap of its own. A small first
+   bucket lets the first all-reduce leave as soon as the first ~1 MiB of
+   gradients is ready, instead of waiting for 25 MiB of them. This is what
+   torch's ``bucket_cap_mb=None`` (its default) means on torch 2.13:
+   ``_BucketCapacityConfig.create`` in torch/nn/parallel/distributed.py
+   takes 25 MiB for the cap and ``dist._DEFAULT_FIRST_BUCKET_BYTES``
+   (1 MiB) for the first bucket, and the reducer rebuilds its buckets
+   with the limits [first, cap]. Passing ``bucket_cap_mb=25`` explicitly
+   makes the first cap equal to the cap: no small first bucket. So
+   ``BucketedDDP(m, first_bucket_cap_mb=1.0)`` is laid out like torch's
+   ``DistributedDataParallel(m)``, and ``BucketedDDP(m)`` like
+   ``DistributedDataParallel(m, bucket_cap_mb=25)``
+   (tests/test_sync_options.py checks both against torch's logging data).
+
+   torch's reducer differs in ways worth knowing: it closes a bucket only
+   AFTER it has gone over the cap (so its buckets are usually a little
+   larger than the cap); iteration 0 uses one bucket holding everything and
+   the buckets are rebuilt in the order gradients became ready before
+   iteration 1; and with ``find_unused_parameters=True`` it never rebuilds,
+   keeping a layout made in ``parameters()`` order and then reversed, so
+   its small bucket is the LAST one (the first layers). Here the layout
+   never changes and the small bucket is always bucket 0.
 
 2. A step (``Bucket``): as each gradient becomes ready it is copied, already
-   divided by the world size, into its slice of the bucket's flat buffer.
+   divided by the world size, into its slice of the bucket's flat buffer
+   (not divided when a comm hook reduces: the hook divides, as in torch).
    When the last one arrives the bucket is ready; BucketedDDP launches one
-   async all-reduce over the whole buffer, and after waiting copies each
-   slice back into ``param.grad``.
+   async all-reduce over the whole buffer (or calls the comm hook), and
+   after waiting copies each slice back into ``param.grad``.
 
-Leaves out, compared with torch: ``gradient_as_bucket_view`` (there
-``param.grad`` IS the slice, saving the copies), the small first bucket
-torch uses when ``bucket_cap_mb`` is not given, bucket rebuilding, sparse
-gradients, and per-device bucket lists.
+   With ``gradient_as_bucket_view=True`` ``param.grad`` IS the slice: the
+   copy in and the copy back disappear, and so does one gradient-sized
+   allocation. autograd accumulates into an existing ``.grad`` in place, so
+   from the second backward on the gradient lands in the bucket directly.
+   After ``zero_grad(set_to_none=True)`` the next backward makes a fresh
+   ``.grad``; it is copied in once and ``.grad`` is pointed back at the
+   slice, as torch's reducer does.
+
+Leaves out, compared with torch: bucket rebuilding, sparse gradients,
+per-bucket caps (``bucket_cap_mb_list``) and per-device bucket lists.
 
 References: torch/csrc/distributed/c10d/reducer.cpp
-(``compute_bucket_assignment_by_size``, ``mark_variable_ready``);
-picotron/data_parallel/bucket.py.
+(``compute_bucket_assignment_by_size``, ``mark_variable_ready_dense``,
+``finalize_bucket_dense``, ``rebuild_buckets``); torch/nn/parallel/
+distributed.py (``_BucketCapacityConfig``); picotron/data_parallel/bucket.py.
 """
 from __future__ import annotations
 
@@ -41,34 +66,44 @@ import torch
 from . import comm
 
 MB = 2 ** 20  # bucket_cap_mb is in MiB, as in torch
+# torch's first bucket when bucket_cap_mb is left at None
+# (torch.distributed._DEFAULT_FIRST_BUCKET_BYTES on 2.13; a test pins it).
+TORCH_DEFAULT_FIRST_BUCKET_MB = 1.0
 
 
-def check_bucket_cap(bucket_cap_mb) -> float:
-    """``bucket_cap_mb`` as a float, or a ValueError that says what to pass."""
+def check_bucket_cap(bucket_cap_mb, name: str = "bucket_cap_mb") -> float:
+    """A cap in MB as a float, or a ValueError that says what to pass."""
     ok = (isinstance(bucket_cap_mb, numbers.Real) and not isinstance(bucket_cap_mb, bool)
           and not math.isnan(bucket_cap_mb) and bucket_cap_mb > 0)
     if not ok:
+        hint = ""
+        if bucket_cap_mb is None and name == "bucket_cap_mb":
+            hint = (" (torch's bucket_cap_mb=None means 25 MB with a 1 MB first bucket: here "
+                    "that is bucket_cap_mb=25.0, first_bucket_cap_mb=1.0)")
         raise ValueError(
-            f"bucket_cap_mb must be a positive number of megabytes (MB = 2**20 bytes), got "
-            f"{bucket_cap_mb!r}. Pass e.g. 25.0 (torch's default), a small value such as 0.001 "
-            "for many small buckets, or float('inf') for one bucket holding every gradient.")
+            f"{name} must be a positive number of megabytes (MB = 2**20 bytes), got "
+            f"{bucket_cap_mb!r}{hint}. Pass e.g. 25.0 (torch's default), a small value such as "
+            "0.001 for many small buckets, or float('inf') for one bucket holding every gradient.")
     return float(bucket_cap_mb)
 
 
-def assign_buckets(params, bucket_cap_mb: float) -> list:
+def assign_buckets(params, bucket_cap_mb: float, first_bucket_cap_mb: float | None = None) -> list:
     """Group parameter indices into buckets; see the module docstring.
 
     ``params`` is the list of parameters in ``module.parameters()`` order;
     returns a list of buckets, each a list of indices into ``params``.
+    Bucket 0 is capped by ``first_bucket_cap_mb`` (default: the same cap).
     """
     cap = check_bucket_cap(bucket_cap_mb) * MB
+    limit = cap if first_bucket_cap_mb is None else \
+        check_bucket_cap(first_bucket_cap_mb, "first_bucket_cap_mb") * MB
     buckets, current, size, kind = [], [], 0, None
     for i in reversed(range(len(params))):
         p = params[i]
         nbytes = p.numel() * p.element_size()
-        if current and (size + nbytes > cap or (p.dtype, p.device) != kind):
+        if current and (size + nbytes > limit or (p.dtype, p.device) != kind):
             buckets.append(current)
-            current, size = [], 0
+            current, size, limit = [], 0, cap
         current.append(i)
         size += nbytes
         kind = (p.dtype, p.device)
@@ -78,13 +113,21 @@ def assign_buckets(params, bucket_cap_mb: float) -> list:
 
 
 class Bucket:
-    """Some parameters, one flat gradient buffer, and this step's progress."""
+    """Some parameters, one flat gradient buffer, and this step's progress.
 
-    def __init__(self, index: int, params: list, names: list, world_size: int):
+    ``divide``: divide by the world size while copying in (False when a
+    comm hook reduces). ``as_view``: ``param.grad`` is kept pointing at the
+    parameter's slice of ``buffer`` (gradient_as_bucket_view).
+    """
+
+    def __init__(self, index: int, params: list, names: list, world_size: int,
+                 as_view: bool = False):
         self.index = index
         self.params = params
         self.names = tuple(names)
         self.world_size = world_size
+        self.divide = True
+        self.as_view = as_view
         numel = sum(p.numel() for p in params)
         self.buffer = torch.zeros(numel, dtype=params[0].dtype, device=params[0].device)
         self.nbytes = numel * self.buffer.element_size()
@@ -94,20 +137,41 @@ class Bucket:
         for p in params:
             self.views.append(self.buffer[offset:offset + p.numel()].view_as(p))
             offset += p.numel()
+        if as_view:  # gradients that exist already move into the bucket now, as in torch
+            with torch.no_grad():
+                for p, view in zip(params, self.views):
+                    if p.grad is not None:
+                        view.copy_(p.grad)
+                        p.grad = view
         self.reset()
 
     def reset(self) -> None:
         self.ready_slots = [False] * len(self.params)
         self.n_ready = 0
-        self.work = None
+        self.work = None  # the all-reduce, without a comm hook
+        self.future = None  # what the comm hook returned
 
     @property
     def ready(self) -> bool:
         return self.n_ready == len(self.params)
 
-    def add_grad(self, slot: int, grad: torch.Tensor) -> None:
-        """Copy one final gradient in, divided by the world size (one pass, as torch does)."""
-        torch.div(grad, self.world_size, out=self.views[slot])
+    def add_grad(self, slot: int, grad) -> None:
+        """Put one final gradient in its slot (``None``: no gradient on this
+        rank this step, so it contributes zeros, as in torch)."""
+        view = self.views[slot]
+        if grad is None:
+            view.zero_()
+        elif self.as_view and grad.data_ptr() == view.data_ptr():
+            # autograd accumulated in place into the slice: nothing to copy
+            if self.divide:
+                view.div_(self.world_size)
+        else:
+            if self.divide:  # one pass: copy and divide together, as torch does
+                torch.div(grad, self.world_size, out=view)
+            else:
+                view.copy_(grad)
+            if self.as_view:
+                self.params[slot].grad = view
         if not self.ready_slots[slot]:
             self.ready_slots[slot] = True
             self.n_ready += 1
@@ -116,10 +180,41 @@ class Bucket:
         self.work = comm.all_reduce(self.buffer, group, async_op=True, bucket=self.index,
                                     params=self.names, recorder=recorder)
 
-    def wait_and_write_back(self) -> None:
-        self.work.wait()
-        for p, view in zip(self.params, self.views):
-            p.grad.copy_(view)
+    def wait(self) -> torch.Tensor:
+        """Block until this step's reduction is done; the reduced flat tensor."""
+        if self.future is None:
+            self.work.wait()
+            return self.buffer
+        out = self.future.wait()
+        if isinstance(out, (list, tuple)) and len(out) == 1:
+            out = out[0]  # a Work's future holds [tensor]
+        if not (isinstance(out, torch.Tensor) and out.numel() == self.buffer.numel()):
+            raise TypeError(
+                f"the comm hook's future for bucket {self.index} gave {type(out).__name__}, "
+                f"expected a tensor of {self.buffer.numel()} elements like bucket.buffer()")
+        return out
+
+    def write_back(self, reduced: torch.Tensor, skip=()) -> None:
+        """Leave the reduced gradients in ``param.grad``; slots in ``skip``
+        (unused on every rank) keep their ``.grad`` untouched, as in torch."""
+        same = reduced.data_ptr() == self.buffer.data_ptr()
+        if self.as_view:
+            if not same:  # a hook returned a new tensor: the views must see it
+                self.buffer.copy_(reduced)
+            for slot, (p, view) in enumerate(zip(self.params, self.views)):
+                if slot not in skip and p.grad is None:
+                    p.grad = view  # unused here, used on another rank (add_grad did the rest)
+            return
+        offset = 0
+        for slot, (p, view) in enumerate(zip(self.params, self.views)):
+            n = p.numel()
+            if slot not in skip:
+                out = view if same else reduced[offset:offset + n].view_as(p)
+                if p.grad is None:
+                    p.grad = out.clone()
+                else:
+                    p.grad.copy_(out)
+            offset += n
 
     def missing(self) -> list:
         return [n for n, ok in zip(self.names, self.ready_slots) if not ok]

@@ -20,64 +20,214 @@ the wrong buffers. torch's reducer keeps the same rule.
 
 ``model.bucket_layout`` lists each bucket's parameter names and bytes.
 
-Leaves out, compared with torch DDP: see ``bucket.py`` (layout rebuilding,
-gradient_as_bucket_view, the small first bucket) and ``_common.py``
-(find_unused_parameters, static_graph, device placement, Join, comm hooks).
+torch's options, same names, same meaning (each tested against torch DDP
+with the same option in tests/test_sync_options.py):
 
-References: torch/csrc/distributed/c10d/reducer.cpp; Li et al., "PyTorch
-Distributed: Experiences on Accelerating Data Parallel Training", VLDB 2020;
-picotron/data_parallel/data_parallel.py.
+- ``first_bucket_cap_mb``: a smaller cap for bucket 0, which is what torch's
+  ``bucket_cap_mb=None`` means (see ``bucket.py``);
+- ``find_unused_parameters``: parameters that get no gradient in a step
+  (a branch skipped on some iterations or some ranks) are found by walking
+  the autograd graph at forward and marked ready at backward's first hook;
+  one small all-reduce tells which were unused on every rank (``unused.py``);
+- ``gradient_as_bucket_view``: ``param.grad`` is a view into its bucket's
+  buffer, no copies in or out (``bucket.py``);
+- ``static_graph``: the graph is declared the same every iteration, so
+  what ``find_unused_parameters`` recomputes at every step is learned once.
+  The first synchronizing backward only watches which hooks fire; at its
+  end one all-reduce of the used map, then every bucket, in index order.
+  From then on the unused set is reused: no graph walk, no used-map
+  all-reduce. A parameter unused in the first iteration that gets a
+  gradient later is an error, as in torch. (torch's static_graph also
+  allows hooks that fire several times, e.g. reentrant activation
+  checkpointing, and rebuilds buckets; neither is done here.) With both
+  flags set, static_graph wins after the first iteration, as in torch;
+- ``register_comm_hook(state, hook)``: torch's hook signature, and fp16/bf16
+  compression (``comm_hooks.py``).
+
+Leaves out, compared with torch DDP: see ``bucket.py`` (layout rebuilding,
+sparse gradients) and ``_common.py`` (device placement, Join, mixed
+precision).
+
+References: torch/csrc/distributed/c10d/reducer.cpp; torch/nn/parallel/
+distributed.py; Li et al., "PyTorch Distributed: Experiences on
+Accelerating Data Parallel Training", VLDB 2020; picotron/data_parallel/
+data_parallel.py.
 """
 from __future__ import annotations
 
+import torch
+
 from ._common import GradSyncModule
 from .bucket import Bucket, assign_buckets, check_bucket_cap
+from .comm_hooks import check_hook, run_hook
+from .unused import UsedMap, unused_parameters
 
 
 class BucketedDDP(GradSyncModule):
     """Wrap ``module``; gradients travel in buckets of at most ``bucket_cap_mb`` MB.
 
     ``.module``, ``.no_sync()``, ``.finish_gradient_synchronization()``,
-    ``.buckets`` (``Bucket`` objects) and ``.bucket_layout`` (plain data).
-    ``recorder`` (see ``ddplab.sync.comm``) receives grad-ready, launch,
-    done and wait stamps by bucket index.
+    ``.register_comm_hook(state, hook)``, ``.buckets`` (``Bucket`` objects)
+    and ``.bucket_layout`` (plain data). ``recorder`` (see
+    ``ddplab.sync.comm``) receives grad-ready, launch, done and wait stamps
+    by bucket index. The keyword options are torch's; see the module
+    docstring.
     """
 
     def __init__(self, module, bucket_cap_mb: float = 25.0, process_group=None,
-                 broadcast_buffers: bool = True, recorder=None):
+                 broadcast_buffers: bool = True, recorder=None, *,
+                 first_bucket_cap_mb: float | None = None,
+                 find_unused_parameters: bool = False,
+                 gradient_as_bucket_view: bool = False,
+                 static_graph: bool = False):
         # Checked before anything talks to other ranks, so a typo fails at once.
         bucket_cap_mb = check_bucket_cap(bucket_cap_mb)
+        if first_bucket_cap_mb is not None:
+            first_bucket_cap_mb = check_bucket_cap(first_bucket_cap_mb, "first_bucket_cap_mb")
         super().__init__(module, process_group, broadcast_buffers, recorder)
         self.bucket_cap_mb = bucket_cap_mb
+        self.first_bucket_cap_mb = first_bucket_cap_mb
+        self.find_unused_parameters = bool(find_unused_parameters)
+        self.gradient_as_bucket_view = bool(gradient_as_bucket_view)
+        self.static_graph = bool(static_graph)
         self.buckets = []
         self._where = {}  # parameter index -> (bucket, slot in the bucket)
-        for b, indices in enumerate(assign_buckets(self._params, self.bucket_cap_mb)):
+        layout = assign_buckets(self._params, bucket_cap_mb, first_bucket_cap_mb)
+        for b, indices in enumerate(layout):
             bucket = Bucket(b, [self._params[i] for i in indices],
-                            [self._names[i] for i in indices], self.world_size)
+                            [self._names[i] for i in indices], self.world_size,
+                            as_view=self.gradient_as_bucket_view)
             self.buckets.append(bucket)
             for slot, i in enumerate(indices):
                 self._where[i] = (bucket, slot)
         self._next_bucket = 0  # the lowest bucket index not launched yet
+        self._comm_hook = None  # (state, hook) once registered
+        # Unused parameters (see unused.py). _unused: indices marked ready at
+        # this backward's first hook. Those unused on every rank keep their .grad
+        # untouched: found by the used-map all-reduce at each step, or (static_graph)
+        # once, in _static_unused_everywhere.
+        self._used = None
+        if self.find_unused_parameters or self.static_graph:
+            self._used = UsedMap(len(self._params), process_group, recorder,
+                                 device=self._params[0].device)
+            self._seen = self._used.local  # the hooks mark what got a gradient
+        self._unused: frozenset = frozenset()
+        self._unused_marked = False
+        # Plain attributes, not properties: the hooks read them once per parameter.
+        self._dynamic = self.find_unused_parameters and not self.static_graph  # walk every forward
+        self._learning = self.static_graph  # static_graph's first synchronizing iteration
+        self._static_unused: frozenset = frozenset()
+        self._static_unused_everywhere: frozenset = frozenset()
 
     @property
     def bucket_layout(self) -> list:
         return [{"index": b.index, "params": list(b.names), "nbytes": b.nbytes,
                  "numel": b.buffer.numel()} for b in self.buckets]
 
+    def register_comm_hook(self, state, hook) -> None:
+        """From the next backward on, ``hook(state, bucket)`` reduces each bucket
+        (see ``ddplab.sync.comm_hooks``); gradients are no longer divided by
+        the world size on the way in: the hook divides. Once per wrapper, as in torch."""
+        check_hook(hook)
+        if self._comm_hook is not None:
+            raise RuntimeError("register_comm_hook can only be called once (as in torch); "
+                               "wrap the model again to use another hook.")
+        if self._hooks_fired:
+            raise RuntimeError("register_comm_hook: a backward is under way; register the "
+                               "hook between steps.")
+        self._comm_hook = (state, hook)
+        for bucket in self.buckets:
+            bucket.divide = False
+
+    # -- forward: what this backward will not produce ------------------------------
+    def forward(self, *args, **kwargs):
+        out = super().forward(*args, **kwargs)
+        if self._expect_hooks and torch.is_grad_enabled():
+            if self._dynamic:
+                self._unused = frozenset(unused_parameters(out, self._params))
+            elif self.static_graph:
+                self._unused = self._static_unused  # empty while learning
+        return out
+
+    # -- backward --------------------------------------------------------------------
     def _bucket_of(self, index) -> int:
         return self._where[index][0].index
 
     def _grad_ready(self, index, param):
+        if self._learning:  # only watch: the hooks' marks in self._seen are the lesson
+            return
+        if self._unused:
+            if not self._unused_marked:  # first hook of this backward
+                self._unused_marked = True
+                for i in sorted(self._unused):
+                    bucket, slot = self._where[i]
+                    bucket.add_grad(slot, self._params[i].grad)
+            if index in self._unused:
+                self._raise_unexpected_gradient(index)
         bucket, slot = self._where[index]
         bucket.add_grad(slot, param.grad)
+        self._launch_ready()
+
+    def _launch_ready(self):
         # Launch every bucket that is ready and has no unlaunched bucket before it.
-        while self._next_bucket < len(self.buckets) and self.buckets[self._next_bucket].ready:
-            self.buckets[self._next_bucket].launch(self.process_group, self.recorder)
+        n = len(self.buckets)
+        while self._next_bucket < n and self.buckets[self._next_bucket].ready:
+            bucket = self.buckets[self._next_bucket]
+            if self._comm_hook is None:
+                bucket.launch(self.process_group, self.recorder)
+            else:
+                state, hook = self._comm_hook
+                bucket.future = run_hook(state, hook, bucket, n, self.recorder)
             self._next_bucket += 1
+        if self._next_bucket == n and self._dynamic and not self._used.launched:
+            # Right behind the last bucket, on every rank at the same point.
+            self._used.launch()
+
+    def _raise_unexpected_gradient(self, index):
+        name = self._names[index]
+        if self.static_graph:
+            raise RuntimeError(
+                f"BucketedDDP(static_graph=True): parameter {name} got no gradient in the "
+                "first iteration but got one now: the graph changed, which static_graph "
+                "forbids (as in torch). Use find_unused_parameters=True instead.")
+        raise RuntimeError(
+            f"BucketedDDP(find_unused_parameters=True): parameter {name} got a gradient "
+            "although it was not reached from the forward's outputs (was it used outside "
+            "forward, e.g. in a loss term computed from model.module directly?).")
+
+    def _learn_static_graph(self):
+        """End of static_graph's first iteration: learn the unused set, then reduce everything."""
+        used = self._used
+        self._static_unused = frozenset(i for i, u in enumerate(used.local) if not u)
+        used.launch()  # once in the whole run: which parameters are used on some rank
+        self._static_unused_everywhere = frozenset(used.unused_everywhere(self._static_unused))
+        for i, p in enumerate(self._params):  # None contributes zeros
+            bucket, slot = self._where[i]
+            bucket.add_grad(slot, p.grad)
+        self._unused = self._static_unused
+        self._learning = False
+        self._seen = None  # nothing left to watch
+        self._launch_ready()
 
     def _wait_launched(self):
-        for bucket in self.buckets[: self._next_bucket]:
-            bucket.wait_and_write_back()
+        if self._learning:
+            self._learn_static_graph()
+        reduced = [b.wait() for b in self.buckets[: self._next_bucket]]
+        skip: dict = {}
+        if self._unused:
+            if self.static_graph:
+                everywhere = self._static_unused_everywhere
+            elif self._used.launched:
+                everywhere = self._used.unused_everywhere(self._unused)
+            else:  # a bucket never left: the missing-gradient error follows
+                everywhere = ()
+            for i in everywhere:
+                bucket, slot = self._where[i]
+                skip.setdefault(bucket.index, set()).add(slot)
+        elif self._dynamic and self._used.launched:
+            self._used.unused_everywhere(())  # wait, so no work is left pending
+        for bucket, out in zip(self.buckets, reduced):
+            bucket.write_back(out, skip.get(bucket.index, ()))
 
     def _not_ready(self):
         return [n for b in self.buckets for n in b.missing()]
@@ -86,3 +236,9 @@ class BucketedDDP(GradSyncModule):
         for bucket in self.buckets:
             bucket.reset()
         self._next_bucket = 0
+        self._unused_marked = False
+        if self._dynamic:
+            self._used.reset()
+            self._unused = frozenset()
+        elif self._learning:  # a first backward broke off: learn from a whole one
+            self._used.reset()

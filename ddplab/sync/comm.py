@@ -7,7 +7,8 @@ that
 
 - counts what was sent: payload bytes and calls per *kind* of traffic
   (``"grad"`` for gradient all-reduces, ``"params"`` and ``"buffers"`` for
-  broadcasts from rank 0) and, for gradients, bytes per bucket and the order
+  broadcasts from rank 0, ``"used_map"`` for find_unused_parameters'
+  small all-reduce) and, for gradients, bytes per bucket and the order
   buckets were launched in. Wrap one training step in ``with counting() as c``
   to get that step's numbers;
 - tells an optional recorder when things happened (``grad_ready``,
@@ -23,10 +24,11 @@ module converts.
 ``torch.distributed.all_reduce`` is looked up when each call is made, not at
 import, so a test or a lab can patch it and see every strategy go through it.
 
-Leaves out, compared with torch's reducer: gradient compression and comm
-hooks (torch's ``register_comm_hook``), NCCL stream handling, coalescing
-managers. Every call here is also a plain torch collective: what is in flight
-is real gloo/nccl work.
+Comm hooks (``comm_hooks.py``) send through ``all_reduce`` too, so a
+compressed bucket is counted at its compressed size. Leaves out, compared
+with torch's reducer: NCCL stream handling, coalescing managers. Every call
+here is also a plain torch collective: what is in flight is real gloo/nccl
+work.
 
 References: torch.distributed.all_reduce / broadcast (async_op=True returns a
 ``Work``; ``Work.get_future()``); torch/csrc/distributed/c10d/reducer.cpp.
@@ -96,7 +98,7 @@ class CommCounter:
     """Calls and payload bytes seen at the choke point.
 
     ``calls`` and ``bytes`` are keyed by kind (``"grad"``, ``"params"``,
-    ``"buffers"``). ``bucket_bytes`` maps a gradient bucket's index to the
+    ``"buffers"``, ``"used_map"``). ``bucket_bytes`` maps a gradient bucket's index to the
     bytes it carried, and ``launch_order`` lists gradient buckets in the
     order their all-reduces were launched.
     """
@@ -182,6 +184,13 @@ def _after_launch(work, group, recorder, kind, nbytes, bucket, params):
             # Over a simulated link the transfer starts when the link is free
             # (after earlier buckets), and its end is the model's, not gloo's.
             extra = {"start": work.sim_start, "simulated": True, "source": "simulated"}
+
+        gpu = getattr(recorder, "cuda_stamps", None)
+        if gpu is not None and not extra:
+            # NCCL: a future's callback says when the host saw completion, not when
+            # the GPU finished; CUDA events around the work say that (resolved later).
+            gpu.launched(work, bucket, kind)
+            return work
 
         def stamp_done(_fut):
             recorder.record("done", now(), bucket=bucket, kind=kind, **extra)
