@@ -42,6 +42,8 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--world-size", type=int, default=2)
     p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--repeats", type=int, default=1,
+                   help="repeat the side-by-side run; ratios are reported per run and as a median")
     args = p.parse_args()
 
     import ddplab
@@ -53,13 +55,19 @@ def main() -> None:
         print(f"machine: {usable_cpus()} usable CPUs, {args.world_size} gloo ranks, "
               f"{c.threads_per_rank} thread(s) per rank; MLP {args.params:.3g} params, "
               f"depth {args.depth}, batch {args.batch_size}/rank, {args.steps} steps")
-        r = compare(c, "none,manual,bucketed,ddp", steps=args.steps, n_params=args.params,
-                    depth=args.depth, batch_size=args.batch_size)
-        print_table(r)
-        m = r.metrics
-        print(f"bucketed / ddp step time: {m['bucketed']['step_ms'] / m['ddp']['step_ms']:.3f}")
-        print(f"manual / bucketed step time: {m['manual']['step_ms'] / m['bucketed']['step_ms']:.3f}")
-        print(f"traced ddp / untraced ddp: {m['ddp']['traced_step_ms'] / m['ddp']['step_ms']:.3f}")
+        ratios = {"bucketed / ddp": [], "manual / bucketed": [], "traced ddp / untraced ddp": []}
+        for k in range(args.repeats):
+            r = compare(c, "none,manual,bucketed,ddp", steps=args.steps, n_params=args.params,
+                        depth=args.depth, batch_size=args.batch_size)
+            print(f"-- run {k + 1} of {args.repeats}")
+            print_table(r)
+            m = r.metrics
+            ratios["bucketed / ddp"].append(m["bucketed"]["step_ms"] / m["ddp"]["step_ms"])
+            ratios["manual / bucketed"].append(m["manual"]["step_ms"] / m["bucketed"]["step_ms"])
+            ratios["traced ddp / untraced ddp"].append(m["ddp"]["traced_step_ms"] / m["ddp"]["step_ms"])
+        for name, xs in ratios.items():
+            print(f"{name} step time: median {statistics.median(xs):.3f} "
+                  f"(runs: {', '.join(f'{x:.3f}' for x in xs)})")
         cfg = {"model": "mlp", "model_kwargs": {"n_params": args.params, "depth": args.depth},
                "seed": 0, "batch_size": args.batch_size, "bucket_cap_mb": 25.0, "lr": 0.01,
                "warmup": 3, "steps": args.steps, "straggler": None}
