@@ -35,6 +35,7 @@ from multiprocessing.connection import wait
 
 from . import resources
 from .errors import ClusterError, CollectiveTimeout, JobTimeout, RankDied, RankError
+from .output import RankOutput
 from .process import RankProcesses
 
 GRACE_S = 3.0  # how long healthy ranks get to finish once one rank has failed
@@ -63,8 +64,7 @@ class Cluster:
         self.port = self._store.port
         self._generation = itertools.count()
         self._job_ids = itertools.count(1)
-        self._output: queue.Queue = queue.Queue()
-        self._partial: dict = {}
+        self._out = RankOutput()
         self._ranks: RankProcesses | None = None
         self._closed = False
         self.exit_codes: list[int] | None = None  # set by shutdown(); 0 = left cleanly
@@ -76,13 +76,13 @@ class Cluster:
         t0 = time.monotonic()
         prefix = f"gen{next(self._generation)}"
         ranks = RankProcesses(self.world_size, self.backend, "127.0.0.1", self.port, prefix,
-                              self.timeout, self.threads_per_rank, self.env, self._output)
+                              self.timeout, self.threads_per_rank, self.env, self._out.queue)
         first = ranks.wait_ready(deadline=t0 + max(60.0, self.timeout) + 30.0)
         if all(m[0] == "ready" for m in first):
             self._ranks = ranks
             return time.monotonic() - t0
         ranks.stop(graceful=False)
-        self._show_output()
+        self._out.show()
         why = []
         for r, m in enumerate(first):
             if m[0] == "init_failed":
@@ -103,7 +103,7 @@ class Cluster:
         if self._ranks is not None:
             self.exit_codes = self._ranks.stop(graceful=True)
             self._ranks = None
-        self._show_output(final=True)
+        self._out.show(final=True)
         self._store = None
         _live.discard(self)
 
@@ -129,7 +129,7 @@ class Cluster:
         if self._ranks is not None:
             self._ranks.stop(graceful=False)
             self._ranks = None
-        self._show_output()
+        self._out.show()
         self._start()
         return (f"{why} The ranks were replaced (old pids {old}, new pids {self.pids}); "
                 "anything they held (models, variables) is gone. The cluster is ready.")
@@ -155,7 +155,7 @@ class Cluster:
             raise ValueError(f"job_timeout must be a positive number of seconds, got {job_timeout!r}")
         if self._ranks is None:
             self._start()
-        self._show_ranks = None if show_ranks is None else set(show_ranks)
+        self._out.shown_ranks = None if show_ranks is None else set(show_ranks)
         job_id = next(self._job_ids)
         payload = cloudpickle.dumps(("job", job_id, fn, tuple(args), dict(kwargs or {})))
         ranks = self._ranks
@@ -172,7 +172,7 @@ class Cluster:
             print(note, file=sys.stderr)
             raise
         finally:
-            self._show_output(final=True)
+            self._out.show(final=True)
         return self._finish(ranks, *outcome)
 
     def _collect(self, ranks: RankProcesses, job_id: int, job_timeout):
@@ -182,7 +182,7 @@ class Cluster:
         start = time.monotonic()
         grace_end = None
         while pending:
-            self._show_output()
+            self._out.show()
             now = time.monotonic()
             if job_timeout is not None and now - start > job_timeout:
                 return results, failures, pending, "job_timeout"
@@ -261,51 +261,20 @@ class Cluster:
         which = [r for r in which if ranks.alive(r)]
         if not which:
             return {}
-        self._show_output()
+        self._out.show()
         ranks.dump_stacks(which)
         texts = {r: [] for r in which}
         deadline = time.monotonic() + 1.0
         while time.monotonic() < deadline:
             try:
-                rank, stream, data = self._output.get(timeout=0.05)
+                rank, stream, data = self._out.queue.get(timeout=0.05)
             except queue.Empty:
                 continue
             if rank in texts and stream == "stderr":
                 texts[rank].append(data.decode(errors="replace"))
             else:
-                self._print(rank, stream, data)
+                self._out.add(rank, stream, data)
         return {r: "".join(t) for r, t in texts.items() if t}
-
-    # -- output --------------------------------------------------------------
-    def _show_output(self, final: bool = False) -> None:
-        while True:
-            try:
-                rank, stream, data = self._output.get_nowait()
-            except queue.Empty:
-                break
-            self._print(rank, stream, data)
-        if final:
-            for (rank, stream), rest in list(self._partial.items()):
-                if rest:
-                    self._emit(rank, stream, rest + "\n")
-            self._partial.clear()
-
-    def _print(self, rank: int, stream: str, data: bytes) -> None:
-        text = self._partial.pop((rank, stream), "") + data.decode(errors="replace")
-        *lines, rest = text.split("\n")
-        if rest:
-            self._partial[(rank, stream)] = rest
-        if lines:
-            self._emit(rank, stream, "".join(f"{line}\n" for line in lines))
-
-    def _emit(self, rank: int, stream: str, text: str) -> None:
-        shown = getattr(self, "_show_ranks", None)
-        if shown is not None and rank not in shown:
-            return
-        out = sys.stderr if stream == "stderr" else sys.stdout
-        prefix = f"[rank {rank}] "
-        out.write("".join(prefix + line + "\n" for line in text.rstrip("\n").split("\n")))
-        out.flush()
 
 
 def _died_info(code: int) -> dict:

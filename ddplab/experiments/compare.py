@@ -99,7 +99,6 @@ def compare(cluster=None, strategies=("none", "manual", "bucketed", "ddp"), step
     (rank, factor) or "RANK:FACTOR".
     """
     from ..cluster import Cluster
-    from ..cluster.resources import usable_cpus
     from ..netsim import LinkModel
     from ..sync.bucket import check_bucket_cap
 
