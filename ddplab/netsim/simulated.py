@@ -34,9 +34,11 @@ class SimulatedWork:
     def __init__(self, work, sim_start: float, sim_end: float, clock: "_LinkClock"):
         self._work = work
         self.sim_start, self.sim_end = sim_start, sim_end
+        self.real_end = None  # when the real transfer finished (set on completion)
         self._future = torch.futures.Future()
 
         def on_real(fut):
+            self.real_end = now()
             try:
                 value = fut.value()
             except Exception as exc:  # noqa: BLE001 - hand the failure on

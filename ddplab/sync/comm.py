@@ -193,7 +193,11 @@ def _after_launch(work, group, recorder, kind, nbytes, bucket, params):
             return work
 
         def stamp_done(_fut):
-            recorder.record("done", now(), bucket=bucket, kind=kind, **extra)
+            info = extra
+            if extra and work.real_end is not None and work.real_end >= work.sim_end:
+                # the real transfer was slower than the model: it decided the end
+                info = dict(extra, source="cpu")
+            recorder.record("done", now(), bucket=bucket, kind=kind, **info)
 
         work.get_future().then(stamp_done)
     return work
