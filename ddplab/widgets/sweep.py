@@ -84,8 +84,9 @@ def sweep_figure(bucket_cap_mb, measured=None, predicted=None, simulated_link=No
             if finite and key == "step_ms":
                 best_y, best_x = min(finite)
                 # annotations on a log axis take log10 of the position
+                # the arrow points up from below the curve, clear of the torch-default label
                 fig.add_annotation(x=math.log10(best_x), y=best_y, showarrow=True, arrowhead=2,
-                                   ay=-35, text=f"fastest measured: {best_x:g} MB", row=1, col=col)
+                                   ay=35, text=f"fastest measured: {best_x:g} MB", row=1, col=col)
         if key in p:
             fig.add_trace(go.Scatter(
                 x=xs, y=[p[key][i] for i in order], mode="lines+markers", name="predicted (cost model)",
