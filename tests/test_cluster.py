@@ -292,3 +292,17 @@ def test_usable_cpus_respects_affinity():
     assert 1 <= resources.usable_cpus() <= len(os.sched_getaffinity(0))
     assert resources.threads_per_rank(4, cpus=2) == 1
     assert resources.threads_per_rank(2, cpus=8) == 4
+
+
+def test_a_function_the_ranks_cannot_unpickle_is_an_error_not_a_crash(cluster2, tmp_path,
+                                                                      monkeypatch):
+    # A module importable in the kernel only (its folder is not on the ranks' path).
+    (tmp_path / "kernel_only_mod.py").write_text("def f():\n    return 1\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import kernel_only_mod
+
+    old = cluster2.pids
+    with pytest.raises(ddplab.RankError, match="kernel_only_mod") as info:
+        cluster2.run(kernel_only_mod.f)
+    assert info.value.ranks == [0, 1] and cluster2.pids == old  # ranks kept, nothing crashed
+    assert cluster2.run(lambda: 3) == [3, 3]

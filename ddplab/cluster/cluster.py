@@ -157,7 +157,11 @@ class Cluster:
             self._start()
         self._out.shown_ranks = None if show_ranks is None else set(show_ranks)
         job_id = next(self._job_ids)
-        payload = cloudpickle.dumps(("job", job_id, fn, tuple(args), dict(kwargs or {})))
+        # The job travels pickled twice: a rank that cannot unpickle the function
+        # (say it refers to a module only the kernel can import) still knows the
+        # job's id and answers with that error instead of crashing.
+        job = cloudpickle.dumps((fn, tuple(args), dict(kwargs or {})))
+        payload = cloudpickle.dumps(("job", job_id, job))
         ranks = self._ranks
         try:
             for conn in ranks.conns:

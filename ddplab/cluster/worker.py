@@ -161,8 +161,11 @@ def _flush_output() -> None:
         _LIBC.fflush(None)
 
 
-def _run_job(chan: _Channel, job_id: int, fn, args, kwargs) -> None:
+def _run_job(chan: _Channel, job_id: int, job: bytes) -> None:
+    import cloudpickle
+
     try:
+        fn, args, kwargs = cloudpickle.loads(job)
         result = to_cpu(fn(*args, **kwargs))
         _flush_output()
         chan.send(("ok", job_id, result))
