@@ -22,7 +22,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--params", type=float, default=2e6, help="MLP parameter count (e.g. 2e7)")
     p.add_argument("--depth", type=int, default=4, help="MLP layers")
     p.add_argument("--batch-size", type=int, default=32)
-    p.add_argument("--bucket-cap-mb", type=float, default=25.0)
+    p.add_argument("--bucket-cap-mb", type=float, default=2.0,
+                   help="bucket cap for bucketed and ddp (default 2: torch's 25 would put the "
+                        "default model's 8 MB of gradients in one bucket)")
     link = p.add_mutually_exclusive_group()
     link.add_argument("--link", help="simulated link preset: 1gbe, 10gbe, 100gb-ib, nvlink")
     link.add_argument("--bandwidth-gbps", type=float, help="simulated link bandwidth, Gbit/s")

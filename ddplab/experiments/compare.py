@@ -7,7 +7,12 @@ Teaches how to measure fairly on a shared, noisy machine:
 - warm-up steps are excluded, and so are torch DDP's one-bucket first
   iteration and its rebuild;
 - torch DDP is timed untraced (its step time is the reference); a traced copy
-  is run alongside for its timeline only;
+  is run alongside for its timeline only. Under a simulated link the timed
+  copy sends its buckets through a plain comm hook into ddplab.sync.comm,
+  where the link lives, so every row pays the same network (labelled);
+- the default bucket cap (2 MB) is below torch's 25 MB on purpose: the
+  default model has ~8 MB of gradients, which 25 MB would put in one bucket
+  launched after backward; the figure and the JSON say so;
 - medians over steps, and every rank's clock aligned to rank 0's with the
   bound reported;
 - a simulated link is labelled as such, and so is a run with more ranks
@@ -39,6 +44,7 @@ class CompareResult:
                 "simulated_link": self.meta.get("simulated_link"),
                 "oversubscribed": self.meta.get("oversubscribed", False),
                 "clock": self.meta.get("clock"), "config": self.meta.get("config"),
+                "bucket_cap_note": self.meta.get("bucket_cap_note"),
                 "strategies": self.metrics}
 
     def write_json(self, path) -> None:
@@ -90,7 +96,7 @@ def _rank_main(cfg: dict) -> dict:
 
 def compare(cluster=None, strategies=("none", "manual", "bucketed", "ddp"), steps: int = 10,
             warmup: int = 3, model: str = "mlp", n_params: float = 2e6, depth: int = 4,
-            batch_size: int = 32, bucket_cap_mb: float = 25.0, link=None, straggler=None,
+            batch_size: int = 32, bucket_cap_mb: float = 2.0, link=None, straggler=None,
             world_size: int = 2, lr: float = 0.01, seed: int = 0, record: bool = True,
             progress: bool = False) -> CompareResult:
     """Run ``strategies`` side by side on ``cluster`` (or a temporary one of ``world_size``).
@@ -145,6 +151,25 @@ def parse_straggler(straggler):
     return (int(rank), float(factor))
 
 
+DDP_VIA_HOOK = "comm hook through ddplab.sync.comm (simulated link)"
+DDP_VIA_HOOK_LABEL = ("torch DDP timed with a comm hook through ddplab.sync.comm, "
+                      "so it pays the same simulated link")
+TORCH_DEFAULT_CAP_MB = 25.0
+
+
+def bucket_cap_note(cfg, per_rank) -> str | None:
+    """Which bucket cap the bucketed rows used, and why when it is not torch's default."""
+    if not {"bucketed", "ddp"} & set(cfg["strategies"]):
+        return None
+    cap = cfg["bucket_cap_mb"]
+    grad_mib = max((r["comm_bytes_per_step"] for r in per_rank[0]["runs"].values()), default=0) / 2**20
+    note = f"bucket_cap_mb={cap:g}"
+    if cap < TORCH_DEFAULT_CAP_MB and 0 < grad_mib <= TORCH_DEFAULT_CAP_MB:
+        note += (f" (torch's default {TORCH_DEFAULT_CAP_MB:g} MB would hold all {grad_mib:.1f} MiB "
+                 "of gradients in ONE bucket, launched after backward)")
+    return note
+
+
 def _assemble(per_rank, cfg, cluster, link) -> CompareResult:
     from ..cluster.resources import usable_cpus
 
@@ -172,6 +197,17 @@ def _assemble(per_rank, cfg, cluster, link) -> CompareResult:
         metrics["ddp"] = dict(traced, step_ms=untraced_step, traced_step_ms=traced["step_ms"])
         timelines["ddp"] = timelines.pop("ddp_traced")
         timelines["ddp"].strategy = "ddp"
+    if "ddp" in metrics:
+        metrics["ddp"]["comm_path"] = DDP_VIA_HOOK if link is not None else "torch (C++ reducer)"
+        timelines["ddp"].meta.setdefault("labels", [])
+        if link is not None:
+            timelines["ddp"].meta["labels"].append(DDP_VIA_HOOK_LABEL)
+    note = bucket_cap_note(cfg, per_rank)
+    if note:
+        for name in ("bucketed", "ddp", "ddp_traced"):
+            if name in timelines:
+                timelines[name].meta.setdefault("labels", []).append(note)
+        meta["bucket_cap_note"] = note
     if "none" in metrics:
         for m in metrics.values():
             m["compute_only_step_ms"] = metrics["none"]["step_ms"]

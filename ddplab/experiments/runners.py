@@ -73,6 +73,12 @@ class StrategyRunner:
 
             ids = [self.device.index] if self.device.type == "cuda" else None
             self.model = DDP(base, bucket_cap_mb=cfg["bucket_cap_mb"], device_ids=ids)
+            if name == "ddp" and cfg.get("link"):
+                # The simulated link lives in ddplab.sync.comm: without this hook
+                # torch DDP's all-reduces would never meet it (a faster network).
+                from ..sync.ddp_trace import choke_point_hook
+
+                self.model.register_comm_hook(None, choke_point_hook)
             if name == "ddp_traced":
                 from ..sync.ddp_trace import DDPTracer
 

@@ -19,7 +19,11 @@ backward's compute, so the time DDP spends waiting for its buckets at the end
 of backward shows up as the "wait" phase.
 
 Tracing has a cost (a Python hook per bucket instead of C++), so
-``compare`` times an untraced DDP and draws this traced one.
+``compare`` times an untraced DDP and draws this traced one. Under a
+simulated link the untimed-by-hooks copy cannot stay hook-free: its
+all-reduces would never meet the link, which lives in ``ddplab.sync.comm``.
+There ``choke_point_hook`` sends each bucket through the choke point (no
+recorder, nothing else), and the row is labelled so.
 
 Leaves out: torch's built-in hooks (fp16/bf16 compression, PowerSGD; see
 torch.distributed.algorithms.ddp_comm_hooks), which this file imitates only
@@ -30,6 +34,21 @@ _get_ddp_logging_data); torch/csrc/distributed/c10d/reducer.cpp.
 from __future__ import annotations
 
 from . import comm
+
+
+def choke_point_hook(process_group, bucket):
+    """torch DDP's own bucket all-reduce, sent through ``ddplab.sync.comm``.
+
+    Divide, then SUM-all-reduce (what DDP does without a hook), but through
+    the choke point, so that a simulated link delays torch DDP exactly as it
+    delays ddplab's strategies. Register with
+    ``ddp_model.register_comm_hook(process_group_or_None, choke_point_hook)``.
+    """
+    import torch.distributed as dist
+
+    tensor = bucket.buffer().div_(dist.get_world_size(process_group))
+    work = comm.all_reduce(tensor, process_group, async_op=True, bucket=bucket.index())
+    return work.get_future().then(lambda fut: fut.value()[0])
 
 
 class DDPTracer:

@@ -87,7 +87,7 @@ def run_labels(tl: Timeline) -> list[str]:
     if straggler:
         rank, factor = straggler
         out.append(f"straggler: rank {rank} slowed ×{factor:g}")
-    return out
+    return out + list(tl.meta.get("labels", ()))
 
 
 def _ms(t, origin):
