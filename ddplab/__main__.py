@@ -11,13 +11,13 @@ def main(argv=None) -> int:
     doc = sub.add_parser("doctor", help="torch version, backends, GPUs, usable CPUs, what backend='auto' picks")
     doc.add_argument("--world-size", type=int, action="append",
                      help="world size(s) to show the 'auto' choice for (repeatable)")
-    from .experiments.cli import add_arguments
+    from .cli import add_arguments
 
     cmp = sub.add_parser("compare", help="every strategy side by side in one run (JSON, trace, HTML)")
     add_arguments(cmp)
     args = parser.parse_args(argv)
     if args.command == "compare":
-        from .experiments.cli import run
+        from .cli import run
 
         return run(args, cmp)
     if args.command == "doctor":

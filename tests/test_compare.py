@@ -120,7 +120,7 @@ def test_the_default_comparison_shows_several_buckets_and_says_which_cap(cluster
         assert r.metrics[name]["n_buckets"] >= 3, (name, r.metrics[name]["n_buckets"])
         assert any(lab.startswith("bucket_cap_mb=2 ") and "ONE bucket" in lab
                    for lab in r.timelines[name].meta["labels"]), r.timelines[name].meta
-    assert r.to_json()["bucket_cap_note"].startswith("bucket_cap_mb=2")
+    assert r.to_json()["labels"]["bucket_cap_note"].startswith("bucket_cap_mb=2")
 
 
 def test_a_straggler_makes_the_fast_rank_wait_and_drops_nothing(cluster):

@@ -2,7 +2,8 @@
 from .models import SmallConvNet, batch, build, mlp, n_parameters
 
 __all__ = ["SmallConvNet", "batch", "build", "mlp", "n_parameters"]
-from .cli import print_table
 from .compare import CompareResult, compare
+from .report import print_table
+from .spec import RunSpec
 
-__all__ += ["compare", "CompareResult", "print_table"]
+__all__ += ["compare", "CompareResult", "RunSpec", "print_table"]

@@ -5,13 +5,13 @@ step around them is the same, so it is written once here:
 
     forward -> loss -> zero_grad -> backward -> [sync] -> optimizer.step()
 
-- ``none``: no synchronization at all (the compute-only baseline);
-- ``manual`` / ``manual_flat``: ``average_gradients`` after backward
-  (per parameter / one flat buffer): nothing overlaps;
-- ``overlap``: ``OverlapDDP``, one async all-reduce per parameter from its hook;
-- ``bucketed``: ``BucketedDDP``, hook-driven buckets launched in index order;
-- ``ddp``: torch's DistributedDataParallel, untraced (its step time is the
-  reference), and ``ddp_traced``: the same with a recording comm hook (drawn).
+Each strategy comes from ``ddplab.strategies`` (the one registry): what
+``build_strategy`` returns says whether the sync happens inside backward
+(a wrapper's hooks) or after it (``after_backward``). torch DDP is timed on
+a copy built without a recorder (recording costs it a Python hook per
+bucket) and drawn from a second, traced copy, ``ddp_traced``. Under a
+simulated link the timed copy sends its buckets through a plain comm hook
+into ddplab.sync.comm, where the link lives: every row pays the same network.
 
 A straggler is made by SLEEPING on one rank during forward (``factor`` times
 its usual compute), not by burning a core that the other rank needs.
@@ -26,71 +26,54 @@ import time
 import torch
 import torch.nn.functional as F
 
+from ..clock import now
 from ..sync import comm
-from ..timeline.clock import now
 from ..timeline.recorder import Recorder
 from . import models
 
-STRATEGIES = ("none", "manual", "manual_flat", "overlap", "bucketed", "ddp")
+TRACED_SUFFIX = "_traced"  # the drawn copy of a strategy timed without recording
 
 
 class StrategyRunner:
-    def __init__(self, name: str, cfg: dict, rank: int, world_size: int, backend: str):
-        self.name, self.cfg, self.rank = name, cfg, rank
+    """One strategy on this rank: ``step(i)`` trains and stamps one iteration.
+
+    ``strategy``: a ``ddplab.strategies.Strategy`` (or a registered name);
+    ``spec``: the run's ``RunSpec``; ``traced``: build the recorded copy of a
+    strategy that is timed unrecorded (its name gets ``_traced``).
+    """
+
+    def __init__(self, strategy, spec, rank: int, world_size: int, backend: str, traced=False):
+        from ..strategies import get_strategy
+
+        strategy = get_strategy(strategy)
+        self.name = strategy.name + (TRACED_SUFFIX if traced else "")
+        self.spec, self.rank = spec, rank
         # NCCL: each rank owns the GPU the Cluster selected for it (torch.cuda.set_device).
         self.device = (torch.device("cuda", torch.cuda.current_device()) if backend == "nccl"
                        else torch.device("cpu"))
-        base = models.build(cfg["model"], seed=cfg["seed"], **cfg.get("model_kwargs", {}))
-        base = base.to(self.device)
+        base = models.build(spec.model, seed=spec.seed, **spec.model_kwargs).to(self.device)
         # Phases are always stamped; bucket events only when recording is on.
-        # torch DDP ("ddp") is never traced: its step time is the reference.
-        self.recorder = Recorder(name, rank, world_size, backend)
+        self.recorder = Recorder(self.name, rank, world_size, backend)
         if backend == "nccl":
             # CPU stamps would be when the host queued NCCL work, not when it ran.
             from ..timeline.cuda_events import CudaStamps
 
-            self.recorder.cuda_stamps = CudaStamps(self.device)
-        rec = self.recorder if cfg.get("record", True) else None
-        self.tracer = None
-        self.sync_after_backward = None
-        if name in ("none", "manual", "manual_flat"):
-            self.model = base
-            if name != "none":
-                from ..sync import average_gradients
-
-                flat = name == "manual_flat"
-                self.sync_after_backward = lambda: average_gradients(base, flat=flat, recorder=rec)
-        elif name == "overlap":
-            from ..sync import OverlapDDP
-
-            self.model = OverlapDDP(base, recorder=rec)
-        elif name == "bucketed":
-            from ..sync import BucketedDDP
-
-            self.model = BucketedDDP(base, bucket_cap_mb=cfg["bucket_cap_mb"], recorder=rec)
-        elif name in ("ddp", "ddp_traced"):
-            from torch.nn.parallel import DistributedDataParallel as DDP
-
-            ids = [self.device.index] if self.device.type == "cuda" else None
-            self.model = DDP(base, bucket_cap_mb=cfg["bucket_cap_mb"], device_ids=ids)
-            if name == "ddp" and cfg.get("link"):
-                # The simulated link lives in ddplab.sync.comm: without this hook
-                # torch DDP's all-reduces would never meet it (a faster network).
-                from ..sync.ddp_trace import choke_point_hook
-
-                self.model.register_comm_hook(None, choke_point_hook)
-            if name == "ddp_traced":
-                from ..sync.ddp_trace import DDPTracer
-
-                self.tracer = DDPTracer(self.model, rec)
-        else:
-            raise ValueError(f"unknown strategy {name!r}; choose from {', '.join(STRATEGIES)}")
-        self.opt = torch.optim.SGD(self.model.parameters(), lr=cfg["lr"])
+            self.recorder.device_timer = CudaStamps(self.device)
+        unrecorded = strategy.time_unrecorded and not traced
+        rec = self.recorder if spec.record and not unrecorded else None
+        options = {"recorder": rec, "bucket_cap_mb": spec.bucket_cap_mb,
+                   "device_ids": [self.device.index] if self.device.type == "cuda" else None}
+        if unrecorded and spec.link is not None and strategy.accepts("through_comm"):
+            options["through_comm"] = True  # the simulated link lives in the choke point
+        self.built = strategy(base, **options)
+        self.model = self.built.model
+        self.through_comm = bool(options.get("through_comm"))
+        self.opt = torch.optim.SGD(self.model.parameters(), lr=spec.lr)
         self.compute_s: list[float] = []
         self.comm_bytes = 0
 
     def _straggle(self) -> float:
-        s = self.cfg.get("straggler")
+        s = self.spec.straggler
         if not s or s[0] != self.rank or not self.compute_s:
             return 0.0
         pause = (s[1] - 1.0) * statistics.median(self.compute_s[-5:])
@@ -98,11 +81,10 @@ class StrategyRunner:
         return pause
 
     def step(self, i: int) -> None:
-        cfg, rec = self.cfg, self.recorder
-        x, y = models.batch(cfg["model"], cfg["batch_size"], self.rank, i)
+        spec, rec, built = self.spec, self.recorder, self.built
+        x, y = models.batch(spec.model, spec.batch_size, self.rank, i)
         x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
-        flags = {"warmup"} if i < cfg["warmup"] else set()
-        rec.begin_iteration(i, flags)
+        rec.begin_iteration(i, {"warmup"} if i < spec.warmup else set())
         with comm.counting() as counted:
             t0 = now()
             with rec.phase("forward"):
@@ -111,37 +93,32 @@ class StrategyRunner:
             self.opt.zero_grad(set_to_none=True)
             with rec.phase("backward"):
                 loss.backward()
-            if self.sync_after_backward is not None:
-                self.sync_after_backward()
-            if self.tracer is not None:
-                self._split_ddp_backward()
-            compute_end = rec._it.phases["backward"][1]
-            self.compute_s.append(compute_end - t0 - slept)
+            if built.after_backward is not None:
+                built.after_backward()
+            if built.tracer is not None:
+                # DDP waits for its buckets inside backward; the last grad-ready
+                # marks where backward's compute ended and the wait began.
+                end = built.tracer.end_iteration()["backward_compute_end"]
+                rec.split_phase("backward", end, "wait", source="derived")
+            self.compute_s.append(rec.phase_span("backward")[1] - t0 - slept)
             with rec.phase("step"):
                 self.opt.step()
         self.comm_bytes = counted.grad_bytes
         rec.end_iteration()
 
-    def _split_ddp_backward(self) -> None:
-        # DDP waits for its buckets inside backward; the last grad-ready marks
-        # where backward's compute ended and the wait began.
-        info = self.tracer.end_iteration()
-        it = self.recorder._it
-        b0, b1 = it.phases["backward"]
-        end = info["backward_compute_end"]
-        if end is not None and b0 <= end <= b1:
-            it.phases["backward"] = (b0, end)
-            it.phases["wait"] = (end, b1)
-            it.sources["wait"] = "derived"
-
     def finish(self) -> dict:
         tl = self.recorder.result()
-        if self.tracer is not None:
+        tracer = self.built.tracer
+        if tracer is not None:
             for it in tl.iterations:
-                it.flags |= self.tracer.iteration_flags().get(it.iteration, set())
-            tl.meta["bucket_layout"] = self.tracer.bucket_layout()
+                it.flags |= tracer.iteration_flags().get(it.iteration, set())
+            tl.meta["bucket_layout"] = tracer.bucket_layout()
         elif hasattr(self.model, "bucket_layout"):
             tl.meta["bucket_layout"] = self.model.bucket_layout
+        # what the choke point counted: the one definition of comm_bytes_per_step
+        tl.meta["comm_bytes_per_step"] = self.comm_bytes
+        if self.through_comm:
+            tl.meta["comm_path"] = "comm hook through ddplab.sync.comm"
         flat = torch.cat([p.detach().reshape(-1).double() for p in self.model.parameters()])
         return {"timeline": tl.to_dict(), "checksum": float(flat.sum()),
-                "params": flat[: 4096].clone(), "comm_bytes_per_step": self.comm_bytes}
+                "params": flat[: 4096].clone()}

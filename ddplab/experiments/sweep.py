@@ -21,6 +21,7 @@ import statistics
 
 from ..netsim import LinkModel
 from ..netsim.costmodel import predict_step
+from ..timeline.metrics import scaling_efficiency
 from .compare import compare
 
 
@@ -94,12 +95,10 @@ def scaling(world_sizes=(1, 2, 4), strategy: str = "bucketed", global_batch: int
                            batch_size=global_batch, link=link)
         rows.append({"world_size": p, "strong_step_ms": strong.metrics[strategy]["step_ms"],
                      "weak_step_ms": weak.metrics[strategy]["step_ms"],
-                     "oversubscribed": p > usable_cpus()})
-    t1 = rows[0]
-    for row in rows:
-        p = row["world_size"]
-        # strong: one rank takes T1 for the global batch; p ranks split it and take Tp
-        row["strong_efficiency"] = t1["weak_step_ms"] / (p * row["strong_step_ms"])
-        row["weak_efficiency"] = t1["weak_step_ms"] / row["weak_step_ms"]
+                     "oversubscribed": strong.labels["oversubscribed"]})
+    for mode in ("strong", "weak"):
+        eff = scaling_efficiency({r["world_size"]: r[f"{mode}_step_ms"] for r in rows}, mode)
+        for row in rows:
+            row[f"{mode}_efficiency"] = eff[row["world_size"]]
     return {"rows": rows, "usable_cpus": usable_cpus(), "strategy": strategy,
             "global_batch": global_batch}

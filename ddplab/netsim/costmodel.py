@@ -67,7 +67,7 @@ def measure_allreduce(sizes_bytes=(2**12, 2**16, 2**18, 2**20, 2**22, 2**23), re
     import torch
     import torch.distributed as dist
 
-    from ..timeline.clock import now
+    from ..clock import now
 
     out = {}
     for n in sizes_bytes:

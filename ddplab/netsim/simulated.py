@@ -8,23 +8,24 @@ early and waits late overlaps the simulated transfer with backward exactly as
 it would a real slow link; a strategy that waits at once pays all of it.
 Nothing ever sleeps inside an autograd hook.
 
-Install with ``ddplab.sync.comm.set_link(SimulatedLink(model, world_size))``
-on every rank (``use_link`` does it for a block), and label every result
-"simulated".
+Install with ``ddplab.sync.comm.using_link(SimulatedLink(model, world_size))``
+on every rank (a ``with`` block), ``close()`` the link afterwards (its clock
+thread then ends), and label every result "simulated". This module knows the
+choke point only through ``ddplab.protocols.Link``: it imports nothing above
+itself.
 
 Leaves out: the link's effect on the real transfer itself (the two simply
 race, and the later one wins).
 """
 from __future__ import annotations
 
-import contextlib
 import heapq
 import itertools
 import threading
 
 import torch
 
-from ..timeline.clock import now
+from ..clock import now
 from .link import LinkModel, LinkQueue
 
 
@@ -62,6 +63,13 @@ class SimulatedWork:
     def is_completed(self) -> bool:
         return self._future.done()
 
+    def done_stamp(self) -> dict:
+        """What the "done" stamp adds: when the link started the transfer, and
+        whether the model ("simulated") or the slower real transfer ("cpu") ended it."""
+        real_decided = self.real_end is not None and self.real_end >= self.sim_end
+        return {"start": self.sim_start, "simulated": True,
+                "source": "cpu" if real_decided else "simulated"}
+
 
 class _LinkClock:
     """One thread per link that completes futures at their simulated end times.
@@ -69,25 +77,39 @@ class _LinkClock:
     One long-lived thread waiting on a condition wakes within a fraction of a
     millisecond; a new timer thread per transfer costs several milliseconds
     of start-up, which would make every simulated transfer look slower than
-    the model.
+    the model. ``stop()`` ends the thread once every pending future is done.
     """
 
     def __init__(self):
         self._heap: list = []
         self._seq = itertools.count()
         self._cv = threading.Condition()
-        threading.Thread(target=self._run, daemon=True, name="ddplab-simulated-link").start()
+        self._stopping = False
+        self.thread = threading.Thread(target=self._run, daemon=True, name="ddplab-simulated-link")
+        self.thread.start()
 
     def complete_at(self, t: float, future, value) -> None:
         with self._cv:
+            if self._stopping:  # too late for the queue: complete it now rather than never
+                future.set_result(value)
+                return
             heapq.heappush(self._heap, (t, next(self._seq), future, value))
             self._cv.notify()
+
+    def stop(self, timeout: float | None = 10.0) -> None:
+        with self._cv:
+            self._stopping = True
+            self._cv.notify()
+        if self.thread is not threading.current_thread():
+            self.thread.join(timeout)
 
     def _run(self) -> None:
         while True:
             with self._cv:
-                while not self._heap:
+                while not self._heap and not self._stopping:
                     self._cv.wait()
+                if not self._heap:  # stopping, and nothing is pending
+                    return
                 t, _, future, value = self._heap[0]
                 delay = t - now()
                 if delay > 0:
@@ -98,7 +120,7 @@ class _LinkClock:
 
 
 class SimulatedLink:
-    """What ``ddplab.sync.comm.set_link`` expects: ``wrap(work, nbytes, group)``."""
+    """A ``ddplab.protocols.Link``: ``wrap(work, nbytes, group)``; ``close()`` when done."""
 
     simulated = True
 
@@ -115,15 +137,12 @@ class SimulatedLink:
     def describe(self) -> dict:
         return self.model.describe()
 
+    def close(self) -> None:
+        """Let the link's clock thread end (after completing what is still pending)."""
+        self._clock.stop()
 
-@contextlib.contextmanager
-def use_link(model: LinkModel | None, world_size: int):
-    """Within the block, every collective through ddplab.sync.comm goes over ``model``."""
-    from ..sync import comm
+    def __enter__(self):
+        return self
 
-    previous = comm.link()
-    comm.set_link(None if model is None else SimulatedLink(model, world_size))
-    try:
-        yield comm.link()
-    finally:
-        comm.set_link(previous)
+    def __exit__(self, *exc):
+        self.close()

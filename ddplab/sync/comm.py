@@ -12,7 +12,7 @@ that
   buckets were launched in. Wrap one training step in ``with counting() as c``
   to get that step's numbers;
 - tells an optional recorder when things happened (``grad_ready``,
-  ``launch``, ``done``, ``wait_start``, ``wait_end``; see ``Recorder``). With
+  ``launch``, ``done``, ``wait_start``, ``wait_end``; see below). With
   no recorder the cost is one ``is None`` test per call;
 - is where the simulated link (ddplab.netsim) attaches: see ``set_link``.
 
@@ -36,42 +36,31 @@ References: torch.distributed.all_reduce / broadcast (async_op=True returns a
 from __future__ import annotations
 
 import contextlib
-import time
 from collections import Counter
 
 import torch
 import torch.distributed as dist
 
-# Stamps are seconds on this rank's monotonic clock; ddplab.timeline moves
-# them onto rank 0's clock later.
-now = time.perf_counter
+from ..clock import now
+from ..protocols import EventRecorder, Link  # noqa: F401 - EventRecorder: what recorders look like
+
+# Stamps are seconds on this rank's clock (ddplab.clock, the one clock every
+# layer shares); ddplab.timeline moves them onto rank 0's clock later.
+
+# What a recorder receives (``ddplab.protocols.EventRecorder``:
+# ``record(event, t, **info)``, ``t`` from ``now()``):
+# - "grad_ready": bucket, param (name): a gradient is final for this backward;
+# - "launch": bucket, kind, nbytes, params (names): handed to the backend;
+# - "done": bucket, kind (and start, simulated=True, source over a simulated
+#   link): the result is available. It comes from a callback on the work's
+#   future, on the backend's own thread, so it may arrive out of order and
+#   while the main thread is still in backward;
+# - "wait_start" / "wait_end": the strategy's end-of-backward wait.
+# ``bucket`` is the bucket index (per-parameter strategies: the parameter's
+# index; None for broadcasts).
 
 
-class Recorder:
-    """What a recorder looks like (duck-typed: any object with ``record``).
-
-    ``record(event, t, **info)`` is called with ``t`` from ``now()`` and:
-
-    - ``"grad_ready"``: ``bucket``, ``param`` (name): a gradient is final for
-      this backward (called by the strategies' hooks);
-    - ``"launch"``: ``bucket``, ``kind``, ``nbytes``, ``params`` (names):
-      the collective was handed to the backend;
-    - ``"done"``: ``bucket``, ``kind`` (and ``simulated=True`` over a
-      simulated link): the result is available. This comes from a callback
-      on the work's future, run on the backend's own thread, so it may
-      arrive out of order and while the main thread is still in backward;
-    - ``"wait_start"`` / ``"wait_end"``: the strategy started and finished
-      waiting for outstanding work (its end-of-backward wait).
-
-    ``bucket`` is the bucket index (for per-parameter strategies, the
-    parameter's index; ``None`` for broadcasts).
-    """
-
-    def record(self, event: str, t: float, **info) -> None:  # pragma: no cover - protocol
-        raise NotImplementedError
-
-
-class ListRecorder(Recorder):
+class ListRecorder:
     """Keeps every event as ``(event, t, info)``; enough for tests and notebooks."""
 
     def __init__(self):
@@ -153,10 +142,10 @@ def _count(kind, nbytes, bucket):
 
 # ----------------------------------------------------------------------------
 # SIMULATED LINK: ddplab.netsim attaches here, and nowhere else.
-# ``set_link(link)`` installs an object with ``wrap(work, nbytes, group)``
-# that returns something with ``.wait()`` and ``.get_future()`` completing no
-# earlier than the modelled transfer. The delay lives in that returned object,
-# never in a sleep inside a hook, so overlap with backward stays honest.
+# ``set_link(link)`` installs a ``ddplab.protocols.Link``: ``wrap(work, nbytes,
+# group)`` returns a work completing no earlier than the modelled transfer.
+# The delay lives in that returned object, never in a sleep inside a hook, so
+# overlap with backward stays honest.
 # ----------------------------------------------------------------------------
 _link = None
 
@@ -164,7 +153,20 @@ _link = None
 def set_link(link) -> None:
     """Install (or, with ``None``, remove) a simulated link for this process."""
     global _link
+    if link is not None and not isinstance(link, Link):
+        raise TypeError(f"a link needs wrap(work, nbytes, group) (ddplab.protocols.Link); got {link!r}")
     _link = link
+
+
+@contextlib.contextmanager
+def using_link(link):
+    """Within the block, every collective here goes over ``link`` (a Link or None)."""
+    previous = _link
+    set_link(link)
+    try:
+        yield link
+    finally:
+        set_link(previous)
 
 
 def link():
@@ -174,32 +176,26 @@ def link():
 
 def _after_launch(work, group, recorder, kind, nbytes, bucket, params):
     """Route ``work`` over the simulated link (if any) and stamp launch and done."""
-    if _link is not None:
+    linked = _link is not None
+    if linked:
         work = _link.wrap(work, nbytes, group)
-    if recorder is not None:
-        recorder.record("launch", now(), bucket=bucket, kind=kind, nbytes=nbytes,
-                        params=tuple(params))
-        extra = {}
-        if hasattr(work, "sim_start"):
-            # Over a simulated link the transfer starts when the link is free
-            # (after earlier buckets), and its end is the model's, not gloo's.
-            extra = {"start": work.sim_start, "simulated": True, "source": "simulated"}
+    if recorder is None:
+        return work
+    recorder.record("launch", now(), bucket=bucket, kind=kind, nbytes=nbytes, params=tuple(params))
+    timer = getattr(recorder, "device_timer", None)  # optional part of EventRecorder
+    if timer is not None and not linked:
+        # NCCL: a future's callback says when the host saw completion, not when
+        # the GPU finished; device events around the work say that (resolved later).
+        timer.launched(work, bucket, kind)
+        return work
 
-        gpu = getattr(recorder, "cuda_stamps", None)
-        if gpu is not None and not extra:
-            # NCCL: a future's callback says when the host saw completion, not when
-            # the GPU finished; CUDA events around the work say that (resolved later).
-            gpu.launched(work, bucket, kind)
-            return work
+    def stamp_done(_fut):
+        # Over a simulated link the link says when the transfer started and who
+        # decided its end (the model or the slower real transfer).
+        extra = work.done_stamp() if linked else {}
+        recorder.record("done", now(), bucket=bucket, kind=kind, **extra)
 
-        def stamp_done(_fut):
-            info = extra
-            if extra and work.real_end is not None and work.real_end >= work.sim_end:
-                # the real transfer was slower than the model: it decided the end
-                info = dict(extra, source="cpu")
-            recorder.record("done", now(), bucket=bucket, kind=kind, **info)
-
-        work.get_future().then(stamp_done)
+    work.get_future().then(stamp_done)
     return work
 
 

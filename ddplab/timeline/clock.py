@@ -14,12 +14,10 @@ Leaves out: NTP-style round-trip estimation and drift over long runs.
 from __future__ import annotations
 
 import statistics
-import time
 
+from ..clock import now  # the one clock every stamp uses (re-exported here)
 
-def now() -> float:
-    """The clock every stamp uses (seconds, monotonic, shared by processes on one host)."""
-    return time.perf_counter()
+__all__ = ["now", "estimate_offsets"]
 
 
 def estimate_offsets(rounds: int = 9, group=None) -> dict:

@@ -15,6 +15,9 @@ Teaches the definitions, because the words are used loosely elsewhere:
   waits for the slowest rank's gradients. A straggler's cost shows up here on
   the OTHER ranks.
 - ``saved_ms`` = manual's step time minus this strategy's.
+- ``comm_bytes_per_step`` = gradient payload bytes handed to all-reduces in
+  one step, as the choke point counted them (``meta["comm_bytes_per_step"]``,
+  written by the run); from the bucket records when a timeline lacks it.
 
 Flagged iterations (warm-up, torch DDP's one-bucket first iteration and
 rebuild) are excluded from every average. Medians, not means: a laptop's
@@ -106,7 +109,7 @@ def summarize(tl: Timeline) -> dict:
         "exposed_comm_ms": ms(_median(exposed)),
         "comm_ms": ms(med_comm),
         "overlap_pct": _median(overlap_pct),
-        "comm_bytes_per_step": int(payload),
+        "comm_bytes_per_step": int(tl.meta.get("comm_bytes_per_step", payload)),
         "n_buckets": int(_median(nbuckets) or 0),
         "algbw_GBps": algbw,
         "busbw_GBps": None if algbw is None else algbw * 2 * (p - 1) / p,
@@ -122,3 +125,21 @@ def add_saved_ms(summaries: dict, reference: str = "manual") -> dict:
     for s in summaries.values():
         s["saved_ms"] = None if ref is None or s.get("step_ms") is None else ref - s["step_ms"]
     return summaries
+
+
+def scaling_efficiency(points, mode: str) -> dict:
+    """Scaling efficiency (a fraction, 1.0 = ideal) per world size, against the smallest given.
+
+    ``points``: {world_size: step time} (or pairs). strong (fixed global
+    batch): T(p0) * p0 / (T(p) * p); weak (fixed batch per rank): T(p0) / T(p).
+    """
+    if mode not in ("strong", "weak"):
+        raise ValueError(f"mode must be 'strong' or 'weak', got {mode!r}")
+    items = points.items() if isinstance(points, dict) else points
+    pairs = sorted((int(p), float(t)) for p, t in items if t is not None)
+    if not pairs:
+        return {}
+    p0, t0 = pairs[0]
+    if mode == "strong":
+        return {p: t0 * p0 / (t * p) for p, t in pairs}
+    return {p: t0 / t for p, t in pairs}

@@ -38,9 +38,18 @@ class Recorder:
         # may arrive just after the loop moved on to the next iteration (a future's
         # callbacks can run after wait() has returned), and still finds its record.
         self._in_flight: dict[int, list] = {}
-        # On GPUs: a ddplab.timeline.cuda_events.CudaStamps; the choke point then
-        # times all-reduces with CUDA events, resolved at the end of each iteration.
-        self.cuda_stamps = None
+        # On GPUs: a ddplab.timeline.cuda_events.CudaStamps (ddplab.protocols'
+        # DeviceTimer); the choke point then times all-reduces with CUDA events,
+        # resolved at the end of each iteration.
+        self.device_timer = None
+
+    @property
+    def cuda_stamps(self):  # the name used before the protocol had one
+        return self.device_timer
+
+    @cuda_stamps.setter
+    def cuda_stamps(self, timer):
+        self.device_timer = timer
 
     # -- iterations and phases (called by the training loop) -------------------
     def begin_iteration(self, iteration: int, flags=()) -> None:
@@ -55,7 +64,7 @@ class Recorder:
     @contextlib.contextmanager
     def phase(self, name: str, source: str = "cpu"):
         t0 = now()
-        gpu = self.cuda_stamps
+        gpu = self.device_timer
         e0 = gpu.phase_event() if gpu is not None else None
         try:
             yield
@@ -71,11 +80,31 @@ class Recorder:
             self._it.phases[name] = (start, end)
             self._it.sources[name] = source
 
+    def phase_span(self, name: str):
+        """(start, end) of ``name`` in the current iteration, or None."""
+        return None if self._it is None else self._it.phases.get(name)
+
+    def split_phase(self, name: str, at: float, second: str, source: str = "derived") -> bool:
+        """Cut the current iteration's phase ``name`` at ``at``: ``name`` keeps the
+        first part, ``second`` gets the rest (stamped with ``source``).
+
+        E.g. torch DDP waits for its buckets INSIDE backward: its last grad-ready
+        splits "backward" into backward's compute and the "wait". Returns False
+        (and changes nothing) when ``at`` is not inside the phase.
+        """
+        span = self.phase_span(name)
+        if span is None or at is None or not span[0] <= at <= span[1]:
+            return False
+        self._it.phases[name] = (span[0], at)
+        self._it.phases[second] = (at, span[1])
+        self._it.sources[second] = source
+        return True
+
     def end_iteration(self) -> None:
         if self._it is None:
             return
-        if self.cuda_stamps is not None:
-            self.cuda_stamps.resolve(self)  # one synchronize per iteration, after the step
+        if self.device_timer is not None:
+            self.device_timer.resolve(self)  # one synchronize per iteration, after the step
         self._it.end = now()
         back, wait = self._it.phases.get("backward"), self._it.phases.get("wait")
         if back and wait and back[0] <= wait[0] <= back[1]:

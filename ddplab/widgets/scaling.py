@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import plotly.graph_objects as go
 
+from ..timeline.metrics import scaling_efficiency
+
 COLORS = {"strong": "#2b6cb0", "weak": "#2ca02c"}
 LABELS = {"strong": "strong scaling (fixed global batch)", "weak": "weak scaling (fixed batch per rank)"}
 
@@ -31,16 +33,8 @@ def _pairs(points) -> list[tuple[int, float]]:
 
 
 def efficiency(points, mode: str) -> dict[int, float]:
-    """Efficiency in % per world size, against the smallest world size given."""
-    if mode not in ("strong", "weak"):
-        raise ValueError(f"mode must be 'strong' or 'weak', got {mode!r}")
-    pairs = _pairs(points)
-    if not pairs:
-        return {}
-    p0, t0 = pairs[0]
-    if mode == "strong":
-        return {p: 100.0 * t0 * p0 / (t * p) for p, t in pairs}
-    return {p: 100.0 * t0 / t for p, t in pairs}
+    """Efficiency in % per world size (``ddplab.timeline.metrics.scaling_efficiency`` x 100)."""
+    return {p: 100.0 * e for p, e in scaling_efficiency(points, mode).items()}
 
 
 def scaling_figure(strong=None, weak=None, usable_cpus: int | None = None, title=None,

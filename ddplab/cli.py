@@ -1,0 +1,106 @@
+"""``python -m ddplab compare``: the measuring engine from a shell.
+
+Sits at the top of the package, beside the magics, export and doctor: it
+drives ddplab.experiments and writes ddplab.widgets' HTML page.
+
+Prints a progress line per strategy and a table; writes the JSON layout in
+DESIGN.md (``--json``), a Chrome trace for Perfetto (``--trace``) and a
+standalone HTML page (``--html``). ``--strategy FILE.py:NAME`` (repeatable)
+adds a strategy defined in a file (see ddplab.strategies).
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    from .experiments.spec import RunSpec
+    from .strategies import strategy_names
+
+    p.add_argument("--world-size", type=int, default=RunSpec.world_size)
+    p.add_argument("--strategies", default=",".join(RunSpec.strategies),
+                   help=f"comma-separated subset of: {','.join(strategy_names())}")
+    p.add_argument("--strategy", action="append", default=[], metavar="FILE.py:NAME",
+                   help="also run a strategy defined in a file (or module:NAME); repeatable")
+    p.add_argument("--steps", type=int, default=RunSpec.steps, help="measured steps after warm-up (>= 1)")
+    p.add_argument("--warmup", type=int, default=RunSpec.warmup)
+    p.add_argument("--model", default=RunSpec.model, choices=["mlp", "convnet"])
+    p.add_argument("--params", type=float, default=RunSpec.n_params, help="MLP parameter count (e.g. 2e7)")
+    p.add_argument("--depth", type=int, default=RunSpec.depth, help="MLP layers")
+    p.add_argument("--batch-size", type=int, default=RunSpec.batch_size)
+    p.add_argument("--bucket-cap-mb", type=float, default=RunSpec.bucket_cap_mb,
+                   help="bucket cap for bucketed and ddp (default 2: torch's 25 would put the "
+                        "default model's 8 MB of gradients in one bucket)")
+    link = p.add_mutually_exclusive_group()
+    link.add_argument("--link", help="simulated link preset: 1gbe, 10gbe, 100gb-ib, nvlink")
+    link.add_argument("--bandwidth-gbps", type=float, help="simulated link bandwidth, Gbit/s")
+    p.add_argument("--latency-us", type=float, help="simulated link latency, microseconds")
+    p.add_argument("--straggler", help="RANK:FACTOR, e.g. 1:2.0 (rank 1 computes 2x slower)")
+    p.add_argument("--backend", default="auto")
+    p.add_argument("--json", help="write metrics JSON here")
+    p.add_argument("--trace", help="write Chrome-trace JSON here (open in Perfetto)")
+    p.add_argument("--html", help="write a standalone HTML page here")
+
+
+def spec_from_args(args, parser):
+    """The RunSpec the arguments describe; a bad value ends in parser.error, never on the ranks."""
+    from .experiments.spec import RunSpec
+    from .netsim import LinkModel
+    from .strategies import load_strategy
+
+    try:
+        link = None
+        if args.link:
+            link = LinkModel.preset(args.link)
+        elif args.bandwidth_gbps is not None or args.latency_us is not None:
+            if args.bandwidth_gbps is None:
+                parser.error("--latency-us needs --bandwidth-gbps too (or use --link PRESET)")
+            link = LinkModel(args.bandwidth_gbps, args.latency_us or 0.0, "custom link")
+        names = [s.strip() for s in args.strategies.split(",") if s.strip()]
+        names += [load_strategy(s) for s in args.strategy]
+        return RunSpec(names, args.steps, args.warmup, args.model, args.params, args.depth,
+                       args.batch_size, args.bucket_cap_mb, link, args.straggler, args.world_size,
+                       progress=True)
+    except (ValueError, TypeError, ImportError, OSError) as e:
+        parser.error(str(e))
+
+
+def run(args, parser) -> int:
+    from .cluster import Cluster
+    from .experiments.compare import compare
+    from .experiments.report import print_table
+
+    spec = spec_from_args(args, parser)
+    print(f"ddplab compare: {spec.world_size} ranks, strategies {', '.join(spec.strategies)}, "
+          f"{spec.steps} measured steps after {spec.warmup} warm-up"
+          + (f", SIMULATED link {spec.link.label}" if spec.link else ""), flush=True)
+    with Cluster(spec.world_size, backend=args.backend) as cluster:
+        result = compare(cluster, spec=spec)
+    for name, m in result.metrics.items():
+        print(f"  done: {name:12s} step {m['step_ms']:8.2f} ms", flush=True)
+    print_table(result)
+    if args.json:
+        result.write_json(args.json)
+        print(f"wrote {args.json}")
+    if args.trace:
+        from .timeline import write_chrome_trace
+
+        write_chrome_trace(args.trace, list(result.timelines.values()))
+        print(f"wrote {args.trace} (open it at ui.perfetto.dev or chrome://tracing)")
+    if args.html:
+        from .widgets.html import compare_page
+
+        compare_page(result, args.html)
+        print(f"wrote {args.html}")
+    return 0
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m ddplab compare")
+    add_arguments(p)
+    return run(p.parse_args(argv), p)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,46 @@
+"""The small contracts between the communication choke point and what it talks to.
+
+Teaches: ``ddplab.sync.comm`` calls out to two optional helpers, a recorder
+(ddplab.timeline) and a simulated link (ddplab.netsim). Both sit BELOW or
+beside the choke point in the layers, so the choke point may not import
+them, and they may not import it. These protocols, at the bottom of the
+package, are all either side knows of the other: any object with these
+methods works (``typing.Protocol``: structural, no inheritance needed).
+
+- ``EventRecorder.record(event, t, **info)``: stamps (see ``ddplab.sync.comm``
+  for the events and their info). ``device_timer`` (optional, ``None`` when
+  absent): on GPUs, a ``DeviceTimer`` that times collectives with device events.
+- ``Link.wrap(work, nbytes, group) -> LinkWork``: hand back a work that
+  completes no earlier than the modelled transfer.
+- ``LinkWork``: ``wait()``, ``get_future()`` like a torch ``Work``, and
+  ``done_stamp()``: called when it completes, the extra info for the "done"
+  stamp (``start``, ``simulated``, ``source``: who decided the end).
+
+Leaves out: anything torch-specific (a ``Work`` here is anything with
+``wait()`` and ``get_future()``).
+"""
+from __future__ import annotations
+
+from typing import Any, Protocol, runtime_checkable
+
+
+@runtime_checkable
+class EventRecorder(Protocol):
+    def record(self, event: str, t: float, **info) -> None: ...
+
+
+class DeviceTimer(Protocol):
+    def launched(self, work: Any, bucket: Any, kind: str) -> None: ...
+
+
+class LinkWork(Protocol):
+    def wait(self, timeout=None) -> bool: ...
+
+    def get_future(self) -> Any: ...
+
+    def done_stamp(self) -> dict: ...
+
+
+@runtime_checkable
+class Link(Protocol):
+    def wrap(self, work: Any, nbytes: int, group=None) -> LinkWork: ...

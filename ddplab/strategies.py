@@ -1,0 +1,244 @@
+"""One registry of gradient-synchronization strategies: a name, and how to build it.
+
+Teaches: a strategy is "take a model, return something that trains it in
+step with the other ranks". Here each one is ONE entry: a name, a build
+function and a line of description. compare(), the lessons, the graders,
+the control panel, the demo, the tests and the benchmarks all build
+strategies through ``build_strategy``; adding a fifth strategy is adding
+one entry, in this file or in your own:
+
+    @ddplab.register_strategy("my_sync", description="all-reduce once, after backward")
+    def my_sync(module, process_group=None):
+        return module, lambda: my_average(module, process_group)
+
+A build function takes the module (already on its device) and keyword
+options, and returns either the model to train (a wrapper that syncs by
+itself during backward), ``(model, after_backward)`` where
+``after_backward()`` runs after ``loss.backward()``, or a ``Built``.
+
+Options: a build function declares what it takes. ``recorder``,
+``process_group``, ``bucket_cap_mb`` and ``device_ids`` are offered by the
+engine to every strategy and passed only to those that accept them (a
+strategy without buckets has no use for a cap); any other option a
+strategy does not take is an error.
+
+Reaching the ranks: compare() looks names up HERE, in the process that
+asks, and ships the entries with the job (cloudpickle, functions defined in
+a notebook cell by value). So a strategy registered in a notebook cell runs
+on the ranks without ever being registered there. ``load_strategy
+("path/to/file.py:name")`` (the CLI's ``--strategy``) loads one from a file.
+
+Importing this module imports no torch: the widgets read names from it.
+Leaves out: strategy options with their own UI (the panel shows names only).
+"""
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import importlib.util
+import inspect
+import os
+import re
+import sys
+from typing import Any, Callable
+
+ENGINE_OPTIONS = ("recorder", "process_group", "bucket_cap_mb", "device_ids")
+# How a strategy's communication sits in a step: what the demo draws for it.
+SHAPES = ("none", "after_backward", "after_backward_flat", "per_parameter", "buckets", "torch_ddp")
+
+
+@dataclasses.dataclass
+class Built:
+    """A strategy applied to one model: what the training step needs."""
+
+    model: Any  # forward and the optimizer use this
+    after_backward: Callable | None = None  # called after loss.backward(), if any
+    tracer: Any = None  # torch DDP traced: a ddplab.sync.ddp_trace.DDPTracer
+
+
+@dataclasses.dataclass(frozen=True)
+class Strategy:
+    name: str
+    build: Callable
+    description: str = ""
+    shape: str = "after_backward"
+    # torch DDP: recording it changes its speed (a Python hook per bucket), so
+    # compare times a copy built without a recorder and draws a recorded one.
+    time_unrecorded: bool = False
+
+    def __post_init__(self):
+        if not isinstance(self.name, str) or not re.fullmatch(r"[A-Za-z_][\w.-]*", self.name):
+            raise ValueError(f"a strategy name is a word (letters, digits, _ . -), got {self.name!r}")
+        if not callable(self.build):
+            raise TypeError(f"strategy {self.name!r}: build must be callable as build(module, **options)")
+        if self.shape not in SHAPES:
+            raise ValueError(f"strategy {self.name!r}: shape must be one of {', '.join(SHAPES)}")
+
+    def accepts(self, option: str) -> bool:
+        """Does build take ``option``? Engine options only when named (not via **options)."""
+        params = inspect.signature(self.build).parameters.values()
+        return any((p.name == option and p.kind is not p.VAR_POSITIONAL) or
+                   (p.kind is p.VAR_KEYWORD and option not in ENGINE_OPTIONS) for p in params)
+
+    def __call__(self, module, **options) -> Built:
+        """Build this strategy around ``module`` (see ``build_strategy``)."""
+        given = {k: v for k, v in options.items() if k not in ENGINE_OPTIONS or self.accepts(k)}
+        unknown = [k for k in given if not self.accepts(k)]
+        if unknown:
+            takes = [p for p in inspect.signature(self.build).parameters][1:]
+            raise TypeError(f"strategy {self.name!r} takes no option {unknown[0]!r}; "
+                            f"it takes: {', '.join(takes) or 'nothing'}")
+        out = self.build(module, **given)
+        if isinstance(out, Built):
+            return out
+        if isinstance(out, tuple) and len(out) == 2:
+            return Built(out[0], out[1])
+        if out is None:
+            raise TypeError(f"strategy {self.name!r}: build returned None; return the model to "
+                            "train, or (model, after_backward)")
+        return Built(out)
+
+
+_REGISTRY: dict[str, Strategy] = {}
+
+
+def register_strategy(name: str, build: Callable | None = None, *, description: str = "",
+                      shape: str = "after_backward", time_unrecorded: bool = False,
+                      replace: bool = False):
+    """Add a strategy; usable as ``@register_strategy("name")`` over its build function."""
+    def add(fn):
+        if name in _REGISTRY and not replace:
+            raise ValueError(f"a strategy named {name!r} is already registered; pick another name "
+                             "or pass replace=True")
+        entry = Strategy(name, fn, description or (inspect.getdoc(fn) or "").split("\n")[0],
+                         shape, time_unrecorded)
+        _REGISTRY[name] = entry
+        return fn
+    return add if build is None else add(build)
+
+
+def unregister_strategy(name: str) -> None:
+    _REGISTRY.pop(name, None)
+
+
+def strategy_names() -> tuple:
+    return tuple(_REGISTRY)
+
+
+def get_strategy(name) -> Strategy:
+    """The entry for ``name`` (a registered name, a Strategy, or "file.py:name" / "module:name")."""
+    if isinstance(name, Strategy):
+        return name
+    if isinstance(name, str) and ":" in name:
+        return load_strategy(name)
+    if name not in _REGISTRY:
+        raise ValueError(f"unknown strategy {name!r}: choose any of {', '.join(_REGISTRY)}, "
+                         "register one with ddplab.register_strategy, or give FILE.py:NAME")
+    return _REGISTRY[name]
+
+
+def build_strategy(name, module, **options) -> Built:
+    """Apply strategy ``name`` to ``module``: a ``Built`` (``.model``, ``.after_backward``)."""
+    return get_strategy(name)(module, **options)
+
+
+def load_strategy(spec: str) -> Strategy:
+    """``"path/to/file.py:name"`` or ``"package.module:name"``: a strategy defined in a file.
+
+    ``name`` is a Strategy, a registered name, or a build function. The file's
+    module is pickled by value, so ranks that cannot import it still get it.
+    """
+    where, _, attr = spec.rpartition(":")
+    if not where or not attr:
+        raise ValueError(f"a strategy from a file looks like FILE.py:NAME or module:NAME, got {spec!r}")
+    if where.endswith(".py") or os.sep in where:
+        if not os.path.isfile(where):
+            raise ValueError(f"no such file {where!r} (from strategy {spec!r})")
+        mod_name = "ddplab_user_" + re.sub(r"\W", "_", os.path.abspath(where))
+        module = sys.modules.get(mod_name)
+        if module is None:
+            loader = importlib.util.spec_from_file_location(mod_name, where)
+            module = importlib.util.module_from_spec(loader)
+            sys.modules[mod_name] = module
+            loader.loader.exec_module(module)
+    else:
+        module = importlib.import_module(where)
+    import cloudpickle
+
+    cloudpickle.register_pickle_by_value(module)
+    obj = getattr(module, attr, None)
+    if obj is None and attr in _REGISTRY:  # the file registered it under that name
+        return _REGISTRY[attr]
+    if callable(obj) and not isinstance(obj, Strategy):
+        obj = Strategy(attr, obj, (inspect.getdoc(obj) or "").split("\n")[0])
+    if not isinstance(obj, Strategy):
+        raise ValueError(f"{spec!r}: {attr!r} is not a strategy or a build function in {where}")
+    known = _REGISTRY.get(obj.name)
+    if known is not None and known.build is not obj.build:
+        raise ValueError(f"{spec!r}: a different strategy named {obj.name!r} is already registered")
+    _REGISTRY[obj.name] = obj  # from now on, known by its name here (and shipped to ranks)
+    return obj
+
+
+# -- the built-in strategies ----------------------------------------------------------
+
+@register_strategy("none", shape="none")
+def _none(module):
+    """compute only: no synchronization (the baseline)"""
+    return module
+
+
+@register_strategy("manual", shape="after_backward")
+def _manual(module, process_group=None, recorder=None):
+    """average_gradients after backward, one all-reduce per parameter"""
+    from .sync import average_gradients
+
+    return module, lambda: average_gradients(module, process_group, recorder=recorder)
+
+
+@register_strategy("manual_flat", shape="after_backward_flat")
+def _manual_flat(module, process_group=None, recorder=None):
+    """average_gradients(flat=True) after backward: one all-reduce of a flat buffer"""
+    from .sync import average_gradients
+
+    return module, lambda: average_gradients(module, process_group, flat=True, recorder=recorder)
+
+
+@register_strategy("overlap", shape="per_parameter")
+def _overlap(module, process_group=None, recorder=None, **options):
+    """OverlapDDP: one async all-reduce per parameter, from its gradient hook"""
+    from .sync import OverlapDDP
+
+    return OverlapDDP(module, process_group=process_group, recorder=recorder, **options)
+
+
+@register_strategy("bucketed", shape="buckets")
+def _bucketed(module, bucket_cap_mb=25.0, process_group=None, recorder=None, **options):
+    """BucketedDDP: buckets in reverse order, launched in index order during backward"""
+    from .sync import BucketedDDP
+
+    return BucketedDDP(module, bucket_cap_mb=bucket_cap_mb, process_group=process_group,
+                       recorder=recorder, **options)
+
+
+@register_strategy("ddp", shape="torch_ddp", time_unrecorded=True)
+def _ddp(module, bucket_cap_mb=25.0, process_group=None, recorder=None, device_ids=None,
+         through_comm=False, **options):
+    """torch's DistributedDataParallel (traced when given a recorder)
+
+    ``through_comm=True``: its buckets go through a plain comm hook into
+    ddplab.sync.comm, so a simulated link delays them as it delays ours.
+    """
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    model = DDP(module, bucket_cap_mb=bucket_cap_mb, device_ids=device_ids,
+                process_group=process_group, **options)
+    if recorder is not None:
+        from .sync.ddp_trace import DDPTracer
+
+        return Built(model, tracer=DDPTracer(model, recorder, process_group))
+    if through_comm:
+        from .sync.ddp_trace import choke_point_hook
+
+        model.register_comm_hook(process_group, choke_point_hook)
+    return Built(model)
