@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import ddplab  # noqa: E402
 
-STRATEGIES = ["none", "manual", "manual_flat", "overlap", "bucketed", "ddp"]
+STRATEGIES = ["none", "manual", "manual_flat", "overlap", "bucketed", "ddp"]  # registry names
 
 
 def _mlp(width, layers):
@@ -45,26 +45,13 @@ def _mlp(width, layers):
 
 
 def _setup(strategy, width, layers):
-    """(module to call, function to run after backward, optimizer) for one strategy."""
+    """(module to call, function to run after backward, optimizer), built by ddplab's registry."""
     import torch
-    from torch import nn
 
-    from ddplab.sync import BucketedDDP, OverlapDDP, average_gradients
+    from ddplab.strategies import build_strategy
 
-    model = _mlp(width, layers)
-    after = None
-    if strategy == "none" or strategy.startswith("manual"):
-        net = model
-        if strategy != "none":
-            flat = strategy == "manual_flat"
-            after = lambda: average_gradients(model, flat=flat)  # noqa: E731
-    elif strategy == "overlap":
-        net = OverlapDDP(model)
-    elif strategy == "bucketed":
-        net = BucketedDDP(model, bucket_cap_mb=25.0)
-    else:
-        net = nn.parallel.DistributedDataParallel(model)
-    return net, after, torch.optim.SGD(net.parameters(), lr=1e-3)
+    built = build_strategy(strategy, _mlp(width, layers), bucket_cap_mb=25.0)
+    return built.model, built.after_backward, torch.optim.SGD(built.model.parameters(), lr=1e-3)
 
 
 def _time_steps(strategies, width, layers, batch, warmup, steps, rounds):

@@ -15,22 +15,22 @@ import statistics
 import time
 
 
-def _recording_overhead(cfg):
+def _recording_overhead(spec):
     import torch.distributed as dist
 
     from ddplab.experiments.runners import StrategyRunner
 
     rank, world, backend = dist.get_rank(), dist.get_world_size(), dist.get_backend()
-    on = StrategyRunner("bucketed", dict(cfg, record=True), rank, world, backend)
-    off = StrategyRunner("bucketed", dict(cfg, record=False), rank, world, backend)
+    on = StrategyRunner("bucketed", spec.replace(record=True), rank, world, backend)
+    off = StrategyRunner("bucketed", spec.replace(record=False), rank, world, backend)
     times = {"on": [], "off": []}
-    for i in range(cfg["warmup"] + cfg["steps"]):
+    for i in range(spec.warmup + spec.steps):
         pair = [("on", on), ("off", off)] if i % 2 else [("off", off), ("on", on)]
         for name, r in pair:
             dist.barrier()
             t0 = time.perf_counter()
             r.step(i)
-            if i >= cfg["warmup"]:
+            if i >= spec.warmup:
                 times[name].append(time.perf_counter() - t0)
     return {k: statistics.median(v) * 1000 for k, v in times.items()}
 
@@ -48,17 +48,19 @@ def main() -> None:
 
     import ddplab
     from ddplab.cluster.resources import usable_cpus
-    from ddplab.experiments.cli import print_table
-    from ddplab.experiments.compare import compare
+    from ddplab.experiments import RunSpec, compare, print_table
 
     with ddplab.Cluster(args.world_size) as c:
         print(f"machine: {usable_cpus()} usable CPUs, {args.world_size} gloo ranks, "
               f"{c.threads_per_rank} thread(s) per rank; MLP {args.params:.3g} params, "
               f"depth {args.depth}, batch {args.batch_size}/rank, {args.steps} steps")
         ratios = {"bucketed / ddp": [], "manual / bucketed": [], "traced ddp / untraced ddp": []}
+        # torch's default cap: this benchmark compares with DDP as people run it
+        spec = RunSpec("none,manual,bucketed,ddp", steps=args.steps, n_params=args.params,
+                       depth=args.depth, batch_size=args.batch_size, bucket_cap_mb=25.0,
+                       world_size=args.world_size)
         for k in range(args.repeats):
-            r = compare(c, "none,manual,bucketed,ddp", steps=args.steps, n_params=args.params,
-                        depth=args.depth, batch_size=args.batch_size)
+            r = compare(c, spec=spec)
             print(f"-- run {k + 1} of {args.repeats}")
             print_table(r)
             m = r.metrics
@@ -68,10 +70,7 @@ def main() -> None:
         for name, xs in ratios.items():
             print(f"{name} step time: median {statistics.median(xs):.3f} "
                   f"(runs: {', '.join(f'{x:.3f}' for x in xs)})")
-        cfg = {"model": "mlp", "model_kwargs": {"n_params": args.params, "depth": args.depth},
-               "seed": 0, "batch_size": args.batch_size, "bucket_cap_mb": 25.0, "lr": 0.01,
-               "warmup": 3, "steps": args.steps, "straggler": None}
-        rec = c.run(_recording_overhead, cfg)[0]
+        rec = c.run(_recording_overhead, spec.replace(strategies=("bucketed",)))[0]
         print(f"recording: bucketed step {rec['on']:.2f} ms with recorder, {rec['off']:.2f} ms "
               f"without: overhead {100 * (rec['on'] / rec['off'] - 1):+.1f}%")
 

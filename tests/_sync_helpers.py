@@ -15,7 +15,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ddplab.sync import BucketedDDP, OverlapDDP, average_gradients, broadcast_parameters, comm
+from ddplab.strategies import build_strategy
+from ddplab.sync import broadcast_parameters, comm
 
 IN, OUT = 6, 3
 
@@ -109,17 +110,17 @@ def my_slice(t, rank, world_size):
 
 
 def wrap(strategy: str, model: nn.Module, **kw):
-    """``(forward_model, after_backward)`` for a strategy name."""
-    if strategy in ("manual", "manual_flat"):
+    """``(forward_model, after_backward)`` for a strategy name, built by ddplab's registry.
+
+    ``"bucketed:CAP"`` is shorthand for ``bucketed`` with ``bucket_cap_mb=CAP``.
+    """
+    name, _, cap = strategy.partition(":")
+    if cap:
+        kw["bucket_cap_mb"] = float(cap)
+    if name.startswith("manual"):  # by hand, the start is ours to broadcast
         broadcast_parameters(model)
-        flat = strategy == "manual_flat"
-        return model, lambda: average_gradients(model, flat=flat)
-    if strategy == "overlap":
-        return OverlapDDP(model, **kw), lambda: None
-    if strategy.startswith("bucketed"):
-        cap = float(strategy.split(":")[1]) if ":" in strategy else 25.0
-        return BucketedDDP(model, bucket_cap_mb=cap, **kw), lambda: None
-    raise ValueError(strategy)
+    built = build_strategy(name, model, **kw)
+    return built.model, built.after_backward or (lambda: None)
 
 
 def torch_ddp(model: nn.Module, broadcast_buffers: bool = True):

@@ -283,7 +283,8 @@ def test_runners_without_progress_and_results_as_plain_dicts_work():
     def runner(**config):  # no progress parameter: none is passed
         seen.append(config)
         tl = hand_timeline("manual")
-        return {"timelines": {"manual": tl.to_dict()}}  # metrics left to the panel
+        metrics = add_saved_ms({"manual": summarize(tl)})
+        return {"timelines": {"manual": tl.to_dict()}, "metrics": metrics}
 
     panel = ControlPanel(runner=runner, strategies=("manual",), usable_cpus=2,
                          extra_config={"model": "mlp"})
@@ -291,10 +292,23 @@ def test_runners_without_progress_and_results_as_plain_dicts_work():
     assert "progress" not in seen[0] and seen[0]["model"] == "mlp"
     assert panel.result["metrics"]["manual"]["step_ms"] == pytest.approx(100)
     assert panel.result["metrics"]["manual"]["saved_ms"] == pytest.approx(0)
-    result = {"timelines": {"manual": hand_timeline("manual")}, "meta": {"config": {"straggler": [1, 2.0]}}}
+    # widgets only read: the straggler label comes from the timeline the runner labelled
+    tl = hand_timeline("manual")
+    tl.meta["straggler"] = [1, 2.0]
+    result = {"timelines": {"manual": tl}, "metrics": {"manual": summarize(tl)}}
     assert "straggler: rank 1 slowed ×2" in texts(compare_figures(*normalize_result(result))[0])
     with pytest.raises(TypeError, match="must return"):
         normalize_result({"nothing": 1})
+    with pytest.raises(TypeError, match="no metrics for manual"):
+        normalize_result({"timelines": {"manual": tl}, "metrics": {}})
+
+
+def test_a_bad_setting_is_reported_by_the_panel_before_the_runner_runs():
+    runner = DemoRunner()
+    panel = ControlPanel(runner=runner, strategies=("manual",), usable_cpus=2,
+                         extra_config={"model": "resnet"})
+    assert panel.run() is None and runner.calls == 0
+    assert "unknown model" in panel.error.value
 
 
 def test_default_runner_uses_the_live_cluster_when_its_size_matches(monkeypatch):

@@ -26,7 +26,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..sync import BucketedDDP, OverlapDDP, average_gradients, comm
+from ..strategies import Strategy, build_strategy
+from ..sync import comm
 
 
 def _tiny(seed=0, dtype=torch.float64):
@@ -41,20 +42,14 @@ def _data(rank, step, batch=16, dtype=torch.float64):
 
 
 def _wrap(strategy, model, bucket_cap_mb=0.001, recorder=None):
-    from torch.nn.parallel import DistributedDataParallel as DDP
+    """(model to train, after_backward or None) for a registered strategy name.
 
-    if callable(strategy):  # the learner's own function, called after backward
+    The lessons use a tiny model, so a tiny cap (0.001 MB) gives several buckets.
+    """
+    if callable(strategy) and not isinstance(strategy, Strategy):  # the learner's own function
         return model, (lambda: strategy(model))
-    if strategy == "bucketed":
-        return BucketedDDP(model, bucket_cap_mb=bucket_cap_mb, recorder=recorder), None
-    if strategy == "overlap":
-        return OverlapDDP(model, recorder=recorder), None
-    if strategy == "ddp":
-        return DDP(model, bucket_cap_mb=bucket_cap_mb), None
-    if strategy in ("manual", "manual_flat"):
-        flat = strategy == "manual_flat"
-        return model, (lambda: average_gradients(model, flat=flat, recorder=recorder))
-    raise ValueError(f"unknown strategy {strategy!r}")
+    built = build_strategy(strategy, model, bucket_cap_mb=bucket_cap_mb, recorder=recorder)
+    return built.model, built.after_backward
 
 
 def single_process_gap_on_rank(strategy="bucketed", steps=3, lr=0.1, sleep_on_rank=None):

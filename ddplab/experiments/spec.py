@@ -40,17 +40,6 @@ def parse_straggler(straggler):
     return (int(rank), float(factor))
 
 
-def parse_link(link):
-    """None, a preset name ("10gbe"), a LinkModel, or its dict -> None or LinkModel."""
-    if link is None or isinstance(link, LinkModel):
-        return link
-    if isinstance(link, str):
-        return LinkModel.preset(link)
-    if isinstance(link, dict):
-        return LinkModel(link["bandwidth_gbps"], link["latency_us"], link.get("label", "custom link"))
-    raise ValueError(f"link must be a preset name, a LinkModel or None, got {link!r}")
-
-
 def _int_at_least(name, value, low, what=""):
     if isinstance(value, bool) or not isinstance(value, int) or value < low:
         raise ValueError(f"{name} must be an integer >= {low}{what}, got {value!r}")
@@ -99,7 +88,7 @@ class RunSpec:
         if isinstance(cap, bool) or not isinstance(cap, (int, float)) or not math.isfinite(cap) or cap <= 0:
             raise ValueError(f"bucket_cap_mb must be a positive number of MB (2**20 bytes), got {cap!r}")
         set_(self, "bucket_cap_mb", float(cap))
-        set_(self, "link", parse_link(self.link))
+        set_(self, "link", LinkModel.parse(self.link))
         set_(self, "straggler", parse_straggler(self.straggler))
         if self.straggler and not 0 <= self.straggler[0] < self.world_size:
             raise ValueError(f"straggler rank {self.straggler[0]} is not a rank of this "

@@ -64,6 +64,18 @@ class LinkModel:
         p = PRESETS[key]
         return cls(p["bandwidth_gbps"], p["latency_us"], p["label"])
 
+    @classmethod
+    def parse(cls, link) -> "LinkModel | None":
+        """None, a preset name ("10gbe"), a LinkModel, or its ``describe()`` dict."""
+        if link is None or isinstance(link, LinkModel):
+            return link
+        if isinstance(link, str):
+            return cls.preset(link)
+        if isinstance(link, dict):
+            return cls(link["bandwidth_gbps"], link["latency_us"], link.get("label", "custom link"))
+        raise ValueError(f"link must be a preset name ({', '.join(PRESETS)}), a LinkModel or None, "
+                         f"got {link!r}")
+
     def allreduce_seconds(self, nbytes: int, world_size: int) -> float:
         """Ring all-reduce time for ``nbytes`` over ``world_size`` ranks."""
         p = world_size

@@ -17,12 +17,10 @@ References: ddplab.timeline.metrics for the definitions.
 """
 from __future__ import annotations
 
-import dataclasses
-
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-from ..timeline import Timeline, add_saved_ms, summarize
+from ..timeline import Timeline
 from .gantt import (flagged_spans, gantt_traces, mark_flagged, origin_of, run_labels,
                     select_iterations, style_rows)
 
@@ -132,24 +130,19 @@ def metrics_figure(metrics: dict, labels=(), height=380) -> go.Figure:
 
 
 def normalize_result(result):
-    """(timelines, metrics) from a runner's result; fills in missing metrics and saved_ms."""
+    """(timelines, metrics) from a runner's result, read as they are: the runner
+    (compare(), DemoRunner) computed the metrics and labelled the timelines."""
     get = (result.get if isinstance(result, dict) else lambda k, d=None: getattr(result, k, d))
-    timelines = get("timelines")
-    if not isinstance(timelines, dict) or not timelines:
-        raise TypeError("the runner must return {'timelines': {name: Timeline}, 'metrics': {...}}; "
+    timelines, metrics = get("timelines"), get("metrics")
+    if not isinstance(timelines, dict) or not timelines or not isinstance(metrics, dict):
+        raise TypeError("the runner must return {'timelines': {name: Timeline}, 'metrics': {name: "
+                        "dict}} (ddplab.timeline.summarize and add_saved_ms compute metrics); "
                         f"got {type(result).__name__}")
+    missing = [k for k in timelines if k not in metrics]
+    if missing:
+        raise TypeError(f"the runner returned no metrics for {', '.join(missing)}")
     timelines = {k: v if isinstance(v, Timeline) else Timeline.from_dict(v) for k, v in timelines.items()}
-    # compare() keeps the run's straggler in its own meta; the pictures label it from the timeline
-    straggler = ((get("meta") or {}).get("config") or {}).get("straggler")
-    if straggler:
-        timelines = {k: dataclasses.replace(tl, meta={"straggler": straggler, **tl.meta})
-                     for k, tl in timelines.items()}
-    metrics = {k: dict(v) for k, v in (get("metrics") or {}).items()}
-    for name, tl in timelines.items():
-        metrics.setdefault(name, summarize(tl))
-    if any("saved_ms" not in m for m in metrics.values()):
-        add_saved_ms(metrics)
-    return timelines, metrics
+    return timelines, {k: dict(v) for k, v in metrics.items()}
 
 
 def compare_figures(timelines: dict, metrics: dict, iterations=1):

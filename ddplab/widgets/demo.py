@@ -22,17 +22,10 @@ import math
 import random
 
 from ..netsim import LinkModel
+from ..strategies import get_strategy
 from ..timeline import BucketRecord, IterationRecord, Timeline, add_saved_ms, summarize
 
 FAKE_CPU_BYTES_PER_S = 1.5e9  # an invented "real gloo on CPU" speed
-
-
-def _link(link):
-    if link is None or isinstance(link, LinkModel):
-        return link
-    if isinstance(link, dict):
-        return LinkModel(link["bandwidth_gbps"], link["latency_us"], link.get("label", "custom link"))
-    return LinkModel.preset(link)
 
 
 def synthetic_timeline(strategy="bucketed", world_size=2, n_iterations=4, n_params=5e6,
@@ -40,18 +33,19 @@ def synthetic_timeline(strategy="bucketed", world_size=2, n_iterations=4, n_para
                        oversubscribed=False, seed=0) -> Timeline:
     """A Timeline shaped like ``strategy``'s (times in seconds from 0)."""
     rng = random.Random(f"{strategy}-{seed}")
-    link = _link(link)
+    link = LinkModel.parse(link)
+    shape = get_strategy(strategy).shape  # how its communication sits (ddplab.strategies)
     total_bytes = int(4 * n_params)
     layers = 8
     layer_bytes = total_bytes // layers
     compute = 2e-9 * n_params * batch_size ** 0.5 + 0.01  # invented, grows with both
     fwd, bwd, opt = 0.3 * compute, 0.6 * compute, 0.1 * compute
-    if strategy in ("none", "manual", "manual_flat"):
-        groups = {"none": [], "manual": [[i] for i in range(layers)],
-                  "manual_flat": [list(range(layers))]}[strategy]
-    elif strategy == "overlap":
+    if shape in ("none", "after_backward", "after_backward_flat"):
+        groups = {"none": [], "after_backward": [[i] for i in range(layers)],
+                  "after_backward_flat": [list(range(layers))]}[shape]
+    elif shape == "per_parameter":
         groups = [[i] for i in reversed(range(layers))]  # one per parameter, as ready
-    else:  # bucketed, ddp: reverse order, a bucket closes before it would pass the cap
+    else:  # buckets, torch_ddp: reverse order, a bucket closes before it would pass the cap
         cap = bucket_cap_mb * 2**20
         groups, current = [], []
         for i in reversed(range(layers)):
@@ -68,8 +62,9 @@ def synthetic_timeline(strategy="bucketed", world_size=2, n_iterations=4, n_para
     t0 = 0.0
     for i in range(n_iterations):
         jitter = 1.0 + 0.05 * rng.random()
-        layout = [list(range(layers))] if strategy == "ddp" and i == 0 else groups
-        after_backward = strategy in ("manual", "manual_flat") or (strategy == "ddp" and i == 0)
+        torch_first = shape == "torch_ddp" and i == 0  # one bucket, before the rebuild
+        layout = [list(range(layers))] if torch_first else groups
+        after_backward = shape.startswith("after_backward") or torch_first
         bwd_end = {r: t0 + (fwd + bwd * (factor if r == slow_rank else 1.0)) * jitter
                    for r in range(world_size)}
         slowest = max(bwd_end.values())
@@ -92,9 +87,9 @@ def synthetic_timeline(strategy="bucketed", world_size=2, n_iterations=4, n_para
                 "forward": (t0, t0 + fwd * jitter), "backward": (t0 + fwd * jitter, bwd_end[r]),
                 "wait": (bwd_end[r], wait_end), "step": (wait_end, end)},
                 sources={p: "cpu" for p in ("forward", "backward", "wait", "step")})
-            if strategy == "ddp" and i == 0:
+            if torch_first:
                 it.flags.add("ddp_one_bucket")
-            elif strategy == "ddp" and i == 1:
+            elif shape == "torch_ddp" and i == 1:
                 it.flags.add("ddp_rebuild")
             elif i == 0:
                 it.flags.add("warmup")
@@ -142,7 +137,8 @@ class DemoRunner:
         for k, s in enumerate(strategies):
             if progress is not None:
                 progress(k, len(strategies), f"running {s}")
-            tl = synthetic_timeline(s, world_size, n_iterations=max(1, steps) + (2 if s == "ddp" else 1),
+            early = 2 if get_strategy(s).shape == "torch_ddp" else 1  # flagged, not averaged
+            tl = synthetic_timeline(s, world_size, n_iterations=max(1, steps) + early,
                                     n_params=n_params, bucket_cap_mb=bucket_cap_mb,
                                     batch_size=batch_size, link=link, straggler=straggler,
                                     oversubscribed=world_size > 2, seed=self.calls)

@@ -2,8 +2,12 @@
 
 Teaches by letting a learner ask "what if?" quickly: smaller buckets, a
 bigger model, a straggler, a 1 GbE link. The panel only reads widget values
-into a plain config dict (the model), hands it to a runner, and draws what
-comes back (the view); it never trains and never touches torch.distributed.
+into a plain config dict (the model), checks it by building the run's
+``ddplab.experiments.RunSpec`` (the same object the CLI and the ranks use),
+hands it to a runner, and draws what comes back (the view); it never trains
+and never touches torch.distributed. Its strategy boxes list the registry
+(``ddplab.strategies``), so a strategy registered in a notebook cell shows up
+in a panel made after it, and runs on the ranks.
 The runner is ``ddplab.experiments.compare`` on the live Cluster by default,
 or anything with its calling convention:
 
@@ -36,12 +40,12 @@ import traceback
 import ipywidgets as W
 
 from ..netsim import PRESETS
+from ..strategies import strategy_names
 from .compare import compare_figures, normalize_result
 from .live import FitWidth, live_figure, placeholder, refresh
 
 log = logging.getLogger("ddplab.widgets")
 
-STRATEGIES = ("none", "manual", "manual_flat", "overlap", "bucketed", "ddp")
 BUCKET_CAPS = (0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 25.0, 50.0, 100.0, 250.0)
 MODEL_SIZES = (("1M parameters", 1_000_000), ("5M parameters", 5_000_000),
                ("20M parameters", 20_000_000), ("50M parameters", 50_000_000))
@@ -75,7 +79,7 @@ class ControlPanel:
     """Widgets for one compare() configuration, a Run button, and two live figures."""
 
     def __init__(self, runner=None, *, cluster=None, strategies=("manual", "overlap", "bucketed", "ddp"),
-                 bucket_cap_mb=25.0, n_params=5_000_000, batch_size=32, world_size=None, straggler=None,
+                 bucket_cap_mb=2.0, n_params=5_000_000, batch_size=32, world_size=None, straggler=None,
                  link="10gbe", steps=5, iterations=1, max_world_size=8, usable_cpus=None,
                  extra_config=None):
         if usable_cpus is None:
@@ -93,7 +97,7 @@ class ControlPanel:
         self.last_error = None
 
         self.strategy_boxes = {s: W.Checkbox(value=s in strategies, description=s, indent=False,
-                                             layout=W.Layout(width="115px")) for s in STRATEGIES}
+                                             layout=W.Layout(width="115px")) for s in strategy_names()}
         caps = tuple(sorted(set(BUCKET_CAPS) | {float(bucket_cap_mb)}))
         sizes = MODEL_SIZES if n_params in dict(MODEL_SIZES).values() else \
             MODEL_SIZES + ((f"{n_params / 1e6:g}M parameters", n_params),)
@@ -157,6 +161,16 @@ class ControlPanel:
                "link": c["link"].value, "steps": int(c["steps"].value)}
         return dict(cfg, **self.extra_config)
 
+    def spec(self, config=None):
+        """The RunSpec for ``config`` (default: the widgets' values); raises on a bad value."""
+        import dataclasses
+
+        from ..experiments.spec import RunSpec  # imports torch: only when a run is asked for
+
+        config = self.config() if config is None else config
+        fields = {f.name for f in dataclasses.fields(RunSpec)}
+        return RunSpec(**{k: v for k, v in config.items() if k in fields})
+
     # -- view bookkeeping: widgets observe state, they compute nothing ----------------
     def _update_straggler_options(self, keep=None):
         w = self.controls["world_size"].value
@@ -210,6 +224,7 @@ class ControlPanel:
         try:
             if not config["strategies"]:
                 raise ValueError("pick at least one strategy")
+            self.spec(config)  # a bad setting is reported here, before any rank is busy
             timelines, metrics = normalize_result(self._call_runner(config))
             new_timeline, new_metrics = compare_figures(timelines, metrics, self.iterations)
             refresh(self.timeline_fig, new_timeline)
