@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -160,3 +161,63 @@ def test_command_line_writes_json_trace_and_html(tmp_path):
     trace = json.loads((tmp_path / "t.json").read_text())
     assert any(e.get("cat") == "communication" for e in trace["traceEvents"])
     assert "plotly" in (tmp_path / "p.html").read_text()[:2_000_000].lower()
+
+
+def _layout(v, key=None):
+    """Keys and value kinds of compare's JSON, ranks collapsed to "<rank>"."""
+    if isinstance(v, dict):
+        if key in ("offsets_s", "wait_ms_by_rank"):
+            return {"<rank>": "number"}
+        return {k: _layout(x, k) for k, x in v.items()}
+    if isinstance(v, bool):
+        return "bool"
+    return {int: "number", float: "number", str: "string", list: "list", type(None): "null"}[type(v)]
+
+
+def test_the_json_layout_is_the_one_design_md_documents(cluster):
+    golden = json.loads((Path(__file__).parent / "golden" / "compare_layout.json").read_text())["layout"]
+    r = compare(cluster, "none,manual,bucketed,ddp", steps=1, n_params=2e5, link="10gbe",
+                straggler="1:1.5")
+    got = _layout(json.loads(json.dumps(r.to_json(), default=str)))
+    rows = got.pop("strategies")
+    expected_rows = golden.pop("strategies")
+    assert got == golden
+    every, extra = expected_rows["<strategy>"], expected_rows["<timed unrecorded (ddp) adds>"]
+    assert list(rows) == ["none", "manual", "bucketed", "ddp"]
+    for name, row in rows.items():
+        expected = dict(every, **extra) if name == "ddp" else every
+        if name == "none":  # no communication: no bandwidth to report
+            expected = dict(expected, algbw_GBps="null", busbw_GBps="null")
+        assert row == expected, name
+
+
+def test_simulated_links_leave_no_threads_behind(cluster):
+    import threading
+
+    def link_threads():
+        return sum(t.name == "ddplab-simulated-link" for t in threading.enumerate())
+
+    for _ in range(2):  # before: one more thread per rank for every compare() with a link
+        compare(cluster, "manual", steps=1, n_params=1e5, link="10gbe")
+    assert cluster.run(link_threads) == [0, 0]
+
+
+def test_the_rank_side_runs_under_torchrun_without_waiting_for_a_cluster(tmp_path):
+    # Before: the ranks waited up to 120 s for a Cluster worker's start-up event,
+    # which never fires in a process torchrun started.
+    code = f"""
+import os, threading, time
+import torch.distributed as dist
+dist.init_process_group("gloo", init_method="file://{tmp_path}/store", rank=0, world_size=1)
+from ddplab.experiments import RunSpec
+from ddplab.experiments.compare import run_on_rank
+t0 = time.perf_counter()
+out = run_on_rank(RunSpec("manual,ddp", steps=1, n_params=1e5, world_size=1, link="1gbe"))
+links = sum(t.name == "ddplab-simulated-link" for t in threading.enumerate())
+print(round(time.perf_counter() - t0, 1), sorted(out["runs"]), links, flush=True)
+os._exit(0)
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=100)
+    assert out.returncode == 0, out.stderr
+    seconds, rest = out.stdout.split(" ", 1)
+    assert float(seconds) < 60 and rest.strip() == "['ddp', 'ddp_traced', 'manual'] 0"
