@@ -127,6 +127,12 @@ def add_saved_ms(summaries: dict, reference: str = "manual") -> dict:
     return summaries
 
 
+def world_size_pairs(points) -> list:
+    """{world_size: value} or (world_size, value) pairs -> sorted pairs, None values dropped."""
+    items = points.items() if isinstance(points, dict) else points
+    return sorted((int(p), float(t)) for p, t in items if t is not None)
+
+
 def scaling_efficiency(points, mode: str) -> dict:
     """Scaling efficiency (a fraction, 1.0 = ideal) per world size, against the smallest given.
 
@@ -135,8 +141,7 @@ def scaling_efficiency(points, mode: str) -> dict:
     """
     if mode not in ("strong", "weak"):
         raise ValueError(f"mode must be 'strong' or 'weak', got {mode!r}")
-    items = points.items() if isinstance(points, dict) else points
-    pairs = sorted((int(p), float(t)) for p, t in items if t is not None)
+    pairs = world_size_pairs(points)
     if not pairs:
         return {}
     p0, t0 = pairs[0]

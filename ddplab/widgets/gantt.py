@@ -90,6 +90,14 @@ def run_labels(tl: Timeline) -> list[str]:
     return out + list(tl.meta.get("labels", ()))
 
 
+def with_link_label(text: str, simulated_link) -> str:
+    """A figure title, with a red "SIMULATED link" part when the run had one."""
+    if not simulated_link:
+        return text
+    return (f"{text} — <span style='color:#b02a37'>SIMULATED link: "
+            f"{simulated_link.get('label', 'custom')}</span>")
+
+
 def _ms(t, origin):
     return 1000.0 * (t - origin)
 

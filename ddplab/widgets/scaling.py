@@ -21,15 +21,12 @@ from __future__ import annotations
 
 import plotly.graph_objects as go
 
-from ..timeline.metrics import scaling_efficiency
+from .gantt import with_link_label
+
+from ..timeline.metrics import scaling_efficiency, world_size_pairs
 
 COLORS = {"strong": "#2b6cb0", "weak": "#2ca02c"}
 LABELS = {"strong": "strong scaling (fixed global batch)", "weak": "weak scaling (fixed batch per rank)"}
-
-
-def _pairs(points) -> list[tuple[int, float]]:
-    items = points.items() if isinstance(points, dict) else points
-    return sorted((int(p), float(t)) for p, t in items if t is not None)
 
 
 def efficiency(points, mode: str) -> dict[int, float]:
@@ -59,7 +56,7 @@ def scaling_figure(strong=None, weak=None, usable_cpus: int | None = None, title
         if not points:
             continue
         eff = efficiency(points, mode)
-        step = dict(_pairs(points))
+        step = dict(world_size_pairs(points))
         sizes += list(eff)
         fig.add_trace(go.Scatter(
             x=list(eff), y=list(eff.values()), mode="lines+markers", name=LABELS[mode],
@@ -77,10 +74,7 @@ def scaling_figure(strong=None, weak=None, usable_cpus: int | None = None, title
     fig.add_annotation(x=line_x, y=1, yref="paper", xanchor="left", yanchor="top", showarrow=False,
                        text=f"<b>oversubscribed</b>: more ranks than the {usable_cpus} usable CPUs",
                        font=dict(color="#b02a37", size=11), xshift=4)
-    text = title or "Scaling efficiency vs world size"
-    if simulated_link:
-        text += (f" — <span style='color:#b02a37'>SIMULATED link: "
-                 f"{simulated_link.get('label', 'custom')}</span>")
+    text = with_link_label(title or "Scaling efficiency vs world size", simulated_link)
     fig.update_layout(template="plotly_white", height=height, title=dict(text=text, x=0.01),
                       legend=dict(orientation="h", y=-0.2, x=0), margin=dict(l=10, r=10, t=60))
     fig.update_xaxes(title_text="world size (ranks)", dtick=1, range=[0.5, top + 0.5])

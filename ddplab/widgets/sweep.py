@@ -26,6 +26,8 @@ from __future__ import annotations
 import math
 
 import plotly.graph_objects as go
+
+from .gantt import with_link_label
 from plotly.subplots import make_subplots
 
 KEYS = (("step_ms", "step time (ms)"), ("exposed_comm_ms", "exposed communication (ms)"))
@@ -105,10 +107,7 @@ def sweep_figure(bucket_cap_mb, measured=None, predicted=None, simulated_link=No
                                yref=f"y{axis} domain", text=f"torch default {torch_default_mb:g} MB",
                                showarrow=False, xanchor="left", yanchor="top",
                                font=dict(size=10, color="#666"))
-    text = title or "Bucket size: step time and exposed communication"
-    if simulated_link:
-        text += (f" — <span style='color:#b02a37'>SIMULATED link: "
-                 f"{simulated_link.get('label', 'custom')}</span>")
+    text = with_link_label(title or "Bucket size: step time and exposed communication", simulated_link)
     fig.update_layout(template="plotly_white", height=height, title=dict(text=text, x=0.01),
                       legend=dict(orientation="h", y=-0.22, x=0), margin=dict(l=10, r=10, t=70))
     return fig
