@@ -5,7 +5,8 @@ disagreement is reproduced from its seed (``DDPLAB_DIFF_SEED=N``). The
 model is a chain of small layers with some of: a layer applied twice
 (shared), a weight tied to another layer's, a frozen weight, a layer never
 used, a branch the data switches on and off per rank and step, a BatchNorm
-(buffers), a float32 layer among float64 ones, a zero-size parameter. The
+(buffers), a float32 layer among float64 ones, a zero-size parameter, an
+``nn.Embedding(sparse=True)``. The
 options: bucket cap, find_unused_parameters, static_graph,
 gradient_as_bucket_view, no_sync micro-steps, comm hooks (allreduce, fp16).
 
@@ -48,6 +49,8 @@ def make_config(seed: int) -> dict:
     c["gradient_as_bucket_view"] = r.random() < 0.3
     c["micro_steps"] = r.choice([1, 1, 2])
     c["hook"] = r.choice([None, None, "allreduce", "fp16"])
+    # nn.Embedding(sparse=True): ddplab's comm hooks take dense buckets only (sparse.py)
+    c["sparse"] = r.random() < 0.25 and c["hook"] is None
     return c
 
 
@@ -73,11 +76,15 @@ class RandomNet(nn.Module):
             self.f32 = nn.Linear(w, w)  # stays float32 when the rest is made float64
         if c["zero_size"]:
             self.empty = nn.Parameter(torch.zeros(0, w))
+        if c["sparse"]:
+            self.emb = nn.Embedding(10, w, sparse=True)
         self.out = nn.Linear(w, OUT)
 
     def forward(self, x):
         c = self.c
         h = torch.tanh(self.inp(x))
+        if c["sparse"]:  # rows picked by the data: each rank touches other rows
+            h = h + self.emb((x[:, 1:3].abs() * 4).long().clamp(max=9)).mean(dim=1)
         for i, block in enumerate(self.blocks):
             h = torch.tanh(block(h))
             if c["shared"] and i == 0:
@@ -167,8 +174,9 @@ def _train(c, name):
     models = {"ours": mine, "ddp": copy.deepcopy(mine), "ref": _build(c, 10)}
     ours, after_backward = _wrap(name, models["ours"], c)
     ddp = _torch_ddp(models["ddp"], c)
-    lr = 0.05
-    opts = {k: torch.optim.SGD(m.parameters(), lr=lr, momentum=0.9) for k, m in models.items()}
+    momentum = 0.0 if c["sparse"] else 0.9  # a sparse gradient has no momentum buffer to share
+    opts = {k: torch.optim.SGD(m.parameters(), lr=0.05, momentum=momentum)
+            for k, m in models.items()}
     errors, steps = {}, []
     k_micro, per = c["micro_steps"], 4
     for step in range(STEPS):

@@ -34,7 +34,7 @@ def _seeds(world_size):
 def test_case_configs_cover_every_feature_and_option():
     configs = [D.make_config(s) for s in range(N_CASES)]
     for key in ("shared", "tied", "frozen", "unused", "data_dependent", "batchnorm", "float32",
-                "zero_size", "find_unused_parameters", "static_graph", "gradient_as_bucket_view"):
+                "zero_size", "sparse", "find_unused_parameters", "static_graph", "gradient_as_bucket_view"):
         assert any(c[key] for c in configs), key
     assert {c["cap_mb"] for c in configs} == set(D.CAPS)
     assert {c["hook"] for c in configs} == set(D.HOOKS)
