@@ -74,6 +74,14 @@ class FailsMidBackward(H.MLP):
         return self.fc3(torch.tanh(self.fc2(h)))
 
 
+class FailsBeforeAnyHook(H.MLP):
+    """The exception comes before any parameter's gradient: nothing was launched."""
+    fail = False
+
+    def forward(self, x):
+        return Boom.apply(super().forward(x), self.fail)
+
+
 # -- 3: the data decides the order of two same-shaped layers ----------------------------
 class DataDependentOrder(nn.Module):
     def __init__(self):
@@ -131,6 +139,7 @@ class SparseEmbedding(nn.Module):
 
 
 MODELS = {"reused_in_checkpoint": ReusedInCheckpoint, "fails_mid_backward": FailsMidBackward,
+          "fails_before_any_hook": FailsBeforeAnyHook,
           "data_dependent_order": DataDependentOrder, "checkpointed_tail": CheckpointedTail,
           "batchnorm": H.WithBatchNorm, "dataclass_out": DataclassOut, "sparse": SparseEmbedding}
 
@@ -208,7 +217,8 @@ def train(case, strategy, steps=4, ours_kw=None, torch_kw=None, slow_link=False,
         for step in range(steps):
             x, y = batch(case, step, per_rank * ws, ws)
             xl, yl = H.my_slice(x, rank, ws), H.my_slice(y, rank, ws)
-            if case == "fails_mid_backward":  # every rank raises inside backward at step 1
+            failing = case.startswith("fails_")
+            if failing:  # every rank raises inside backward at step 1
                 for m in (ours_model, ddp.module, ref):
                     m.fail = step == 1
             for who in ("ours", "ddp"):
@@ -226,12 +236,12 @@ def train(case, strategy, steps=4, ours_kw=None, torch_kw=None, slow_link=False,
                     out["errors"][who] = (step, err)
                     if "boom inside backward" in err:  # the learner catches it and goes on
                         del out["errors"][who]
-            if case != "fails_mid_backward" or step != 1:
+            if not failing or step != 1:
                 ref_loss = sum(step_loss(case, ref, H.my_slice(x, r, ws), H.my_slice(y, r, ws),
                                          step, r) for r in range(ws)) / ws
                 ref_loss.backward()
             for k, o in opts.items():
-                if k not in out["errors"] and not (case == "fails_mid_backward" and step == 1):
+                if k not in out["errors"] and not (failing and step == 1):
                     o.step()
                 o.zero_grad()
             if "ours" in out["errors"]:

@@ -162,6 +162,9 @@ class GradSyncModule(nn.Module):
             # A forward under no_grad (evaluation between forward and
             # backward) has no backward and must not cancel the pending one.
             self._expect_hooks = self.require_backward_grad_sync
+            # A backward that raised before any parameter's hook may have queued
+            # a callback the engine then dropped: the next backward queues its own.
+            self._callback_queued = False
         out = self.module(*args, **kwargs)
         if grad_enabled and self._expect_hooks:
             for t in output_tensors(out):
