@@ -80,8 +80,9 @@ class OverlapDDP(GradSyncModule):
         check = None
         if len(self._works) == len(self._params):  # else the missing-gradient error follows
             # hash() of a tuple of ints is the same in every process (no hash seed)
-            h = hash(tuple(self._works))
-            check = torch.tensor([h, -h], dtype=torch.int64)
+            h = hash(tuple(self._works)) % 2**62  # so that -h fits in int64 too
+            # on the parameters' device: a group may reduce only device tensors (nccl)
+            check = torch.tensor([h, -h], dtype=torch.int64, device=self._params[0].device)
             check_work = comm.all_reduce(check, self.process_group, async_op=True,
                                          op=dist.ReduceOp.MAX, kind="launch_order",
                                          recorder=self.recorder)
@@ -95,9 +96,11 @@ class OverlapDDP(GradSyncModule):
     def _order_error(self) -> RuntimeError:
         # Only on the error path: every rank's whole order, to say where they part.
         rank, ws = dist.get_rank(self.process_group), self.world_size
-        orders = torch.zeros(ws, len(self._params), dtype=torch.int64)
-        orders[rank] = torch.tensor(list(self._works))
+        orders = torch.zeros(ws, len(self._params), dtype=torch.int64,
+                             device=self._params[0].device)
+        orders[rank] = torch.tensor(list(self._works), device=orders.device)
         comm.all_reduce(orders, self.process_group, kind="launch_order")
+        orders = orders.cpu()
         first = next(i for i in range(orders.shape[1]) if len(set(orders[:, i].tolist())) > 1)
         which = ", ".join(f"rank {r}: {self._names[orders[r, first]]}" for r in range(ws))
         return RuntimeError(
