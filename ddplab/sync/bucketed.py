@@ -123,8 +123,8 @@ class BucketedDDP(GradSyncModule):
     @property
     def bucket_layout(self) -> list:
         return [{"index": b.index, "params": list(b.names), "nbytes": b.nbytes,
-                 "numel": b.numel if isinstance(b, SparseBucket) else b.buffer.numel(),
-                 "sparse": isinstance(b, SparseBucket)} for b in self.buckets]
+                 "numel": b.numel if isinstance(b, SparseBucket) else b.buffer.numel()}
+                for b in self.buckets]
 
     def register_comm_hook(self, state, hook) -> None:
         """From the next backward on, ``hook(state, bucket)`` reduces each bucket
