@@ -7,7 +7,13 @@
   reverse parameter order, launched in index order as soon as they are ready;
   with torch's options ``find_unused_parameters``, ``gradient_as_bucket_view``,
   ``static_graph``, a small first bucket (``first_bucket_cap_mb``) and
-  ``register_comm_hook`` (hooks, fp16/bf16 compression: ``comm_hooks``).
+  ``register_comm_hook`` (hooks, fp16/bf16 compression: ``comm_hooks``);
+  what it does about unused parameters is one policy object per option
+  (``unused_policy``), and sparse gradients get buckets of one (``sparse``).
+
+Where they part from torch's DDP they raise at the first step, naming the
+parameter and what to do, rather than train wrong in silence
+(tests/test_sync_torch_parity.py, tests/test_sync_differential.py).
 
 Every collective goes through ``ddplab.sync.comm`` (bytes counted, optional
 recorder, the place a simulated link attaches). These modules know nothing

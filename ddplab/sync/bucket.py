@@ -48,7 +48,9 @@ Teaches the two halves of bucketing.
    ``.grad``; it is copied in once and ``.grad`` is pointed back at the
    slice, as torch's reducer does.
 
-Leaves out, compared with torch: bucket rebuilding, sparse gradients,
+Sparse gradients get a bucket of one, without a flat buffer (``sparse.py``).
+
+Leaves out, compared with torch: bucket rebuilding,
 per-bucket caps (``bucket_cap_mb_list``) and per-device bucket lists.
 
 References: torch/csrc/distributed/c10d/reducer.cpp
@@ -87,12 +89,15 @@ def check_bucket_cap(bucket_cap_mb, name: str = "bucket_cap_mb") -> float:
     return float(bucket_cap_mb)
 
 
-def assign_buckets(params, bucket_cap_mb: float, first_bucket_cap_mb: float | None = None) -> list:
+def assign_buckets(params, bucket_cap_mb: float, first_bucket_cap_mb: float | None = None, *,
+                   sparse=frozenset()) -> list:
     """Group parameter indices into buckets; see the module docstring.
 
     ``params`` is the list of parameters in ``module.parameters()`` order;
     returns a list of buckets, each a list of indices into ``params``.
     Bucket 0 is capped by ``first_bucket_cap_mb`` (default: the same cap).
+    Indices in ``sparse`` (sparse gradients, see ``sparse.py``) get a
+    bucket of their own, as in torch.
     """
     cap = check_bucket_cap(bucket_cap_mb) * MB
     limit = cap if first_bucket_cap_mb is None else \
@@ -101,6 +106,13 @@ def assign_buckets(params, bucket_cap_mb: float, first_bucket_cap_mb: float | No
     for i in reversed(range(len(params))):
         p = params[i]
         nbytes = p.numel() * p.element_size()
+        if i in sparse:
+            if current:
+                buckets.append(current)
+                current, size, limit = [], 0, cap
+            buckets.append([i])
+            kind = None
+            continue
         if current and (size + nbytes > limit or (p.dtype, p.device) != kind):
             buckets.append(current)
             current, size, limit = [], 0, cap

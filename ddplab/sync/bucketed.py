@@ -37,16 +37,21 @@ with the same option in tests/test_sync_options.py):
   end one all-reduce of the used map, then every bucket, in index order.
   From then on the unused set is reused: no graph walk, no used-map
   all-reduce. A parameter unused in the first iteration that gets a
-  gradient later is an error, as in torch. (torch's static_graph also
-  allows hooks that fire several times, e.g. reentrant activation
-  checkpointing, and rebuilds buckets; neither is done here.) With both
-  flags set, static_graph wins after the first iteration, as in torch;
+  gradient later is an error, as in torch. A hook that fired k times in
+  the first iteration (reentrant activation checkpointing reusing a layer)
+  is ready at its k-th firing, as in torch. With both flags set,
+  static_graph wins, as in torch. The three behaviours are three policy
+  objects (``unused_policy.py``), picked once at construction;
 - ``register_comm_hook(state, hook)``: torch's hook signature, and fp16/bf16
   compression (``comm_hooks.py``).
 
-Leaves out, compared with torch DDP: see ``bucket.py`` (layout rebuilding,
-sparse gradients) and ``_common.py`` (device placement, Join, mixed
-precision).
+Sparse gradients (``nn.Embedding(sparse=True)``) get a bucket of their own
+and are all-reduced as sparse tensors (``sparse.py``).
+
+Leaves out, compared with torch DDP: see ``bucket.py`` (layout rebuilding),
+``sparse.py`` (comm hooks on sparse gradients) and ``_common.py`` (device
+placement, Join, mixed precision). A gradient hook that fires twice in one
+backward without ``static_graph`` is an error, as in torch.
 
 References: torch/csrc/distributed/c10d/reducer.cpp; torch/nn/parallel/
 distributed.py; Li et al., "PyTorch Distributed: Experiences on
@@ -60,7 +65,8 @@ import torch
 from ._common import GradSyncModule
 from .bucket import Bucket, assign_buckets, check_bucket_cap
 from .comm_hooks import check_hook, run_hook
-from .unused import UsedMap, unused_parameters
+from .sparse import SparseBucket, not_sparse_error, sparse_parameter_ids
+from .unused_policy import unused_policy
 
 
 class BucketedDDP(GradSyncModule):
@@ -84,45 +90,41 @@ class BucketedDDP(GradSyncModule):
         bucket_cap_mb = check_bucket_cap(bucket_cap_mb)
         if first_bucket_cap_mb is not None:
             first_bucket_cap_mb = check_bucket_cap(first_bucket_cap_mb, "first_bucket_cap_mb")
-        super().__init__(module, process_group, broadcast_buffers, recorder)
+        self.find_unused_parameters = bool(find_unused_parameters)
+        self.static_graph = bool(static_graph)
+        super().__init__(module, process_group, broadcast_buffers, recorder,
+                         mark_used=self.find_unused_parameters or self.static_graph)
         self.bucket_cap_mb = bucket_cap_mb
         self.first_bucket_cap_mb = first_bucket_cap_mb
-        self.find_unused_parameters = bool(find_unused_parameters)
         self.gradient_as_bucket_view = bool(gradient_as_bucket_view)
-        self.static_graph = bool(static_graph)
+        sparse_ids = sparse_parameter_ids(module)
+        sparse = {i for i, p in enumerate(self._params) if id(p) in sparse_ids}
         self.buckets = []
         self._where = {}  # parameter index -> (bucket, slot in the bucket)
-        layout = assign_buckets(self._params, bucket_cap_mb, first_bucket_cap_mb)
+        layout = assign_buckets(self._params, bucket_cap_mb, first_bucket_cap_mb, sparse=sparse)
         for b, indices in enumerate(layout):
-            bucket = Bucket(b, [self._params[i] for i in indices],
-                            [self._names[i] for i in indices], self.world_size,
-                            as_view=self.gradient_as_bucket_view)
+            if indices[0] in sparse:
+                i = indices[0]
+                bucket = SparseBucket(b, self._params[i], self._names[i], self.world_size)
+            else:
+                bucket = Bucket(b, [self._params[i] for i in indices],
+                                [self._names[i] for i in indices], self.world_size,
+                                as_view=self.gradient_as_bucket_view)
             self.buckets.append(bucket)
             for slot, i in enumerate(indices):
                 self._where[i] = (bucket, slot)
         self._next_bucket = 0  # the lowest bucket index not launched yet
         self._comm_hook = None  # (state, hook) once registered
-        # Unused parameters (see unused.py). _unused: indices marked ready at
-        # this backward's first hook. Those unused on every rank keep their .grad
-        # untouched: found by the used-map all-reduce at each step, or (static_graph)
-        # once, in _static_unused_everywhere.
-        self._used = None
-        if self.find_unused_parameters or self.static_graph:
-            self._used = UsedMap(len(self._params), process_group, recorder,
-                                 device=self._params[0].device)
-            self._seen = self._used.local  # the hooks mark what got a gradient
-        self._unused: frozenset = frozenset()
-        self._unused_marked = False
-        # Plain attributes, not properties: the hooks read them once per parameter.
-        self._dynamic = self.find_unused_parameters and not self.static_graph  # walk every forward
-        self._learning = self.static_graph  # static_graph's first synchronizing iteration
-        self._static_unused: frozenset = frozenset()
-        self._static_unused_everywhere: frozenset = frozenset()
+        # none / find_unused_parameters / static_graph: see unused_policy.py
+        self._policy = unused_policy(self.find_unused_parameters, self.static_graph,
+                                     self._params, self.grad_marks, process_group, recorder)
+        self._unused_marked = False  # this backward's unused parameters are marked ready
 
     @property
     def bucket_layout(self) -> list:
         return [{"index": b.index, "params": list(b.names), "nbytes": b.nbytes,
-                 "numel": b.buffer.numel()} for b in self.buckets]
+                 "numel": b.numel if isinstance(b, SparseBucket) else b.buffer.numel()}
+                for b in self.buckets]
 
     def register_comm_hook(self, state, hook) -> None:
         """From the next backward on, ``hook(state, bucket)`` reduces each bucket
@@ -135,6 +137,11 @@ class BucketedDDP(GradSyncModule):
         if self._hooks_fired:
             raise RuntimeError("register_comm_hook: a backward is under way; register the "
                                "hook between steps.")
+        sparse = [b.names[0] for b in self.buckets if isinstance(b, SparseBucket)]
+        if sparse:
+            raise RuntimeError(f"register_comm_hook: parameter(s) {', '.join(sparse)} have sparse "
+                               "gradients, and ddplab's comm hooks take dense buckets only. Use "
+                               "sparse=False for those modules, or no comm hook.")
         self._comm_hook = (state, hook)
         for bucket in self.buckets:
             bucket.divide = False
@@ -143,10 +150,7 @@ class BucketedDDP(GradSyncModule):
     def forward(self, *args, **kwargs):
         out = super().forward(*args, **kwargs)
         if self._expect_hooks and torch.is_grad_enabled():
-            if self._dynamic:
-                self._unused = frozenset(unused_parameters(out, self._params))
-            elif self.static_graph:
-                self._unused = self._static_unused  # empty while learning
+            self._policy.at_forward(out)
         return out
 
     # -- backward --------------------------------------------------------------------
@@ -154,18 +158,29 @@ class BucketedDDP(GradSyncModule):
         return self._where[index][0].index
 
     def _grad_ready(self, index, param):
-        if self._learning:  # only watch: the hooks' marks in self._seen are the lesson
+        policy = self._policy
+        if policy.watching:  # static_graph's first backward: only watch
+            policy.watch(index)
             return
-        if self._unused:
+        if policy.unused:
             if not self._unused_marked:  # first hook of this backward
                 self._unused_marked = True
-                for i in sorted(self._unused):
+                for i in sorted(policy.unused):
                     bucket, slot = self._where[i]
                     bucket.add_grad(slot, self._params[i].grad)
-            if index in self._unused:
-                self._raise_unexpected_gradient(index)
+            if index in policy.unused:
+                raise policy.unexpected(self._names[index])
+        if policy.fires_needed and index in policy.fires_needed and not policy.last_fire(index):
+            return  # static_graph: this hook fires again later in this backward
         bucket, slot = self._where[index]
-        bucket.add_grad(slot, param.grad)
+        if bucket.ready_slots[slot]:
+            raise self._ready_twice(index)
+        try:
+            bucket.add_grad(slot, param.grad)
+        except RuntimeError:
+            if param.grad is not None and param.grad.is_sparse and isinstance(bucket, Bucket):
+                raise not_sparse_error(self._names[index]) from None
+            raise
         self._launch_ready()
 
     def _launch_ready(self):
@@ -179,55 +194,30 @@ class BucketedDDP(GradSyncModule):
                 state, hook = self._comm_hook
                 bucket.future = run_hook(state, hook, bucket, n, self.recorder)
             self._next_bucket += 1
-        if self._next_bucket == n and self._dynamic and not self._used.launched:
-            # Right behind the last bucket, on every rank at the same point.
-            self._used.launch()
-
-    def _raise_unexpected_gradient(self, index):
-        name = self._names[index]
-        if self.static_graph:
-            raise RuntimeError(
-                f"BucketedDDP(static_graph=True): parameter {name} got no gradient in the "
-                "first iteration but got one now: the graph changed, which static_graph "
-                "forbids (as in torch). Use find_unused_parameters=True instead.")
-        raise RuntimeError(
-            f"BucketedDDP(find_unused_parameters=True): parameter {name} got a gradient "
-            "although it was not reached from the forward's outputs (was it used outside "
-            "forward, e.g. in a loss term computed from model.module directly?).")
+            if self._next_bucket == n:
+                self._policy.all_launched()
 
     def _learn_static_graph(self):
-        """End of static_graph's first iteration: learn the unused set, then reduce everything."""
-        used = self._used
-        self._static_unused = frozenset(i for i, u in enumerate(used.local) if not u)
-        used.launch()  # once in the whole run: which parameters are used on some rank
-        self._static_unused_everywhere = frozenset(used.unused_everywhere(self._static_unused))
+        """End of static_graph's first iteration: learn, then reduce everything."""
+        self._policy.learn()
         for i, p in enumerate(self._params):  # None contributes zeros
             bucket, slot = self._where[i]
             bucket.add_grad(slot, p.grad)
-        self._unused = self._static_unused
-        self._learning = False
-        self._seen = None  # nothing left to watch
         self._launch_ready()
 
     def _wait_launched(self):
-        if self._learning:
+        if self._policy.watching:
             self._learn_static_graph()
         reduced = [b.wait() for b in self.buckets[: self._next_bucket]]
         skip: dict = {}
-        if self._unused:
-            if self.static_graph:
-                everywhere = self._static_unused_everywhere
-            elif self._used.launched:
-                everywhere = self._used.unused_everywhere(self._unused)
-            else:  # a bucket never left: the missing-gradient error follows
-                everywhere = ()
-            for i in everywhere:
-                bucket, slot = self._where[i]
-                skip.setdefault(bucket.index, set()).add(slot)
-        elif self._dynamic and self._used.launched:
-            self._used.unused_everywhere(())  # wait, so no work is left pending
+        for i in self._policy.unused_everywhere():
+            bucket, slot = self._where[i]
+            skip.setdefault(bucket.index, set()).add(slot)
         for bucket, out in zip(self.buckets, reduced):
             bucket.write_back(out, skip.get(bucket.index, ()))
+
+    def _missing_hint(self) -> str:
+        return self._policy.missing_hint
 
     def _not_ready(self):
         return [n for b in self.buckets for n in b.missing()]
@@ -237,8 +227,4 @@ class BucketedDDP(GradSyncModule):
             bucket.reset()
         self._next_bucket = 0
         self._unused_marked = False
-        if self._dynamic:
-            self._used.reset()
-            self._unused = frozenset()
-        elif self._learning:  # a first backward broke off: learn from a whole one
-            self._used.reset()
+        self._policy.reset()

@@ -206,7 +206,11 @@ def all_reduce(tensor: torch.Tensor, group=None, async_op: bool = False, *, op=N
     With ``async_op=True`` returns the work (``.wait()``, ``.get_future()``);
     otherwise waits and returns ``None``, as torch does.
     """
-    nbytes = tensor.numel() * tensor.element_size()
+    if tensor.is_sparse:  # what is sent: this rank's indices and values
+        nbytes = (tensor._indices().numel() * tensor._indices().element_size()
+                  + tensor._values().numel() * tensor.element_size())
+    else:
+        nbytes = tensor.numel() * tensor.element_size()
     _count(kind, nbytes, bucket)
     # Looked up now, not at import: whoever patches torch.distributed sees us.
     work = dist.all_reduce(tensor, op=dist.ReduceOp.SUM if op is None else op, group=group,
@@ -239,7 +243,10 @@ def broadcast_coalesced(tensors, src: int, group=None, *, kind: str = "buffers",
     """
     groups: dict = {}
     for t in tensors:
-        groups.setdefault((t.dtype, t.device), []).append(t)
+        # .data: same storage, its own version counter. Writing through it
+        # leaves the buffer's counter alone (as torch's buffer sync does), so
+        # a graph that saved the buffer in an earlier forward stays valid.
+        groups.setdefault((t.dtype, t.device), []).append(t.data)
     with torch.no_grad():
         for ts in groups.values():
             if len(ts) == 1:

@@ -13,7 +13,8 @@ union of the slices. The optimizer step then keeps the replicas identical.
     optimizer.step()
 
 ``flat=True`` copies all gradients into one flat buffer (one per dtype and
-device) and all-reduces that once: fewer, larger messages, which is the
+device; a sparse gradient, from ``nn.Embedding(sparse=True)``, is reduced
+on its own, as torch's DDP does) and all-reduces that once: fewer, larger messages, which is the
 first half of the idea behind buckets. The second half, starting early, is
 OverlapDDP and BucketedDDP.
 
@@ -64,8 +65,15 @@ def average_gradients(model: nn.Module, group=None, flat: bool = False, *, recor
 
 def _average_flat(grads, group, world_size, recorder):
     by_kind: dict = {}
+    sparse = []
     for name, g in grads:  # torch.cat needs one dtype and one device
-        by_kind.setdefault((g.dtype, g.device), []).append((name, g))
+        if g.is_sparse:  # rows and values, not a dense block: reduced on its own
+            sparse.append((name, g))
+        else:
+            by_kind.setdefault((g.dtype, g.device), []).append((name, g))
+    for i, (name, g) in enumerate(sparse, start=len(by_kind)):
+        comm.all_reduce(g, group, bucket=i, params=(name,), recorder=recorder)
+        g.div_(world_size)
     for i, named in enumerate(by_kind.values()):
         flat = torch.cat([g.reshape(-1) for _, g in named])
         comm.all_reduce(flat, group, bucket=i, params=tuple(n for n, _ in named),

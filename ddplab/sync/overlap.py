@@ -20,18 +20,35 @@ nothing left to do.
 What it costs: one collective per parameter. Small messages pay the fixed
 per-message latency many times over; BucketedDDP groups them.
 
-Leaves out, compared with torch's DistributedDataParallel: buckets, and the
-rule that launches collectives in a fixed order. Here all-reduces start in
-the order gradients become ready, which is the same on every rank only
-because every rank runs the same graph; a rank whose hooks fired in another
-order would pair the wrong tensors. See ``_common`` for the rest (buffers,
-no_sync, unused parameters).
+Launch order. Ranks pair collectives by the order they are called in, and
+here all-reduces start in the order gradients become ready. That order is
+the same on every rank only when every rank runs the same graph: if the
+data decides the order of two same-shaped layers, rank 0 may launch
+``a.weight`` where rank 1 launches ``b.weight``, and the ranks add up the
+wrong tensors. torch's DDP avoids this by launching buckets in a fixed
+order (BucketedDDP does the same). OverlapDDP keeps launching early and
+instead CHECKS: at the end of each synchronizing backward one more
+all-reduce, of two int64 numbers (a fingerprint of this rank's launch
+order and its negation, MAX), tells every rank whether all orders agreed;
+if not, backward raises an error naming where the orders first differ
+(the gradients of that step are wrong, so the step must not be taken).
+Cost: one 16-byte all-reduce per step, waited for with the others (about
+one all-reduce latency; over a simulated link its 2(p-1) alpha).
+
+Leaves out, compared with torch's DistributedDataParallel: buckets and the
+fixed launch order (see above: detected, not prevented), and
+``static_graph``'s hooks that fire more than once per backward (an error
+here; see ``_common`` for that and the rest: buffers, no_sync, unused
+parameters).
 
 References: torch.Tensor.register_post_accumulate_grad_hook;
 torch.distributed.all_reduce(async_op=True); Li et al., "PyTorch
 Distributed: Experiences on Accelerating Data Parallel Training", VLDB 2020.
 """
 from __future__ import annotations
+
+import torch
+import torch.distributed as dist
 
 from . import comm
 from ._common import GradSyncModule
@@ -51,6 +68,8 @@ class OverlapDDP(GradSyncModule):
         self._works: dict = {}  # parameter index -> work, in launch order
 
     def _grad_ready(self, index, param):
+        if index in self._works:  # its all-reduce has left with the first gradient
+            raise self._ready_twice(index)
         grad = param.grad
         grad.div_(self.world_size)
         self._works[index] = comm.all_reduce(grad, self.process_group, async_op=True,
@@ -58,8 +77,40 @@ class OverlapDDP(GradSyncModule):
                                              recorder=self.recorder)
 
     def _wait_launched(self):
+        check = None
+        if len(self._works) == len(self._params):  # else the missing-gradient error follows
+            # hash() of a tuple of ints is the same in every process (no hash seed)
+            h = hash(tuple(self._works)) % 2**62  # so that -h fits in int64 too
+            # on the parameters' device: a group may reduce only device tensors (nccl)
+            check = torch.tensor([h, -h], dtype=torch.int64, device=self._params[0].device)
+            check_work = comm.all_reduce(check, self.process_group, async_op=True,
+                                         op=dist.ReduceOp.MAX, kind="launch_order",
+                                         recorder=self.recorder)
         for work in self._works.values():
             work.wait()
+        if check is not None:
+            check_work.wait()
+            if check[0].item() != -check[1].item():  # some rank's fingerprint differs
+                raise self._order_error()
+
+    def _order_error(self) -> RuntimeError:
+        # Only on the error path: every rank's whole order, to say where they part.
+        rank, ws = dist.get_rank(self.process_group), self.world_size
+        orders = torch.zeros(ws, len(self._params), dtype=torch.int64,
+                             device=self._params[0].device)
+        orders[rank] = torch.tensor(list(self._works), device=orders.device)
+        comm.all_reduce(orders, self.process_group, kind="launch_order")
+        orders = orders.cpu()
+        first = next(i for i in range(orders.shape[1]) if len(set(orders[:, i].tolist())) > 1)
+        which = ", ".join(f"rank {r}: {self._names[orders[r, first]]}" for r in range(ws))
+        return RuntimeError(
+            f"OverlapDDP on rank {dist.get_rank()}: the ranks launched their per-parameter "
+            f"all-reduces in different orders in this backward; all-reduce number {first} was "
+            f"{which}. Ranks pair all-reduces by order, so they added up different parameters' "
+            "gradients and this step's gradients are wrong. The order gradients become ready "
+            "depends on the data here (layers applied in a data-dependent order?). Use "
+            "BucketedDDP, which launches in a fixed order as torch's DDP does, or apply the "
+            "layers in the same order on every rank.")
 
     def _not_ready(self):
         return [n for i, n in enumerate(self._names) if i not in self._works]

@@ -40,17 +40,23 @@ References: torch/csrc/distributed/c10d/reducer.cpp
 """
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from . import comm
 
 
 def output_tensors(obj) -> list:
-    """The tensors in a forward's output: nested tuples, lists and dicts are searched."""
+    """The tensors in a forward's output, found where torch's DDP looks for them
+    (``_find_tensors``): tensors, lists, tuples (named ones too), dict values and
+    dataclass fields, nested in any way. Anything else is not searched."""
     if isinstance(obj, torch.Tensor):
         return [obj]
     if isinstance(obj, dict):
         obj = list(obj.values())
+    elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        obj = [getattr(obj, f.name) for f in dataclasses.fields(obj)]
     if isinstance(obj, (list, tuple)):
         return [t for item in obj for t in output_tensors(item)]
     return []
@@ -84,16 +90,17 @@ def unused_parameters(outputs, params) -> list:
 
 class UsedMap:
     """Which parameters got a gradient on this rank (``local``, 0/1 per
-    parameter, written by the hooks) and, after one all-reduce, on any rank.
+    parameter) and, after one all-reduce, on any rank.
 
-    ``local`` is a bytearray, not a tensor: a hook writes one byte in
-    nanoseconds, where indexing a tensor from Python costs microseconds.
-    It is cleared after each synchronizing backward, so parameters used in
-    ``no_sync`` micro-steps count as used at the step that synchronizes.
+    ``local`` is the wrapper's ``grad_marks`` (see ``_common.GradSyncModule``):
+    a bytearray its hooks write, because a hook writes one byte in nanoseconds
+    where indexing a tensor from Python costs microseconds. It is cleared
+    after each synchronizing backward, so parameters used in ``no_sync``
+    micro-steps count as used at the step that synchronizes.
     """
 
-    def __init__(self, n: int, group=None, recorder=None, device=None):
-        self.local = bytearray(n)
+    def __init__(self, local: bytearray, group=None, recorder=None, device=None):
+        self.local = local
         self.group = group
         self.device = device  # nccl reduces device tensors only
         self.recorder = recorder
