@@ -145,8 +145,8 @@ class Cluster:
         old = self.pids
         try:
             self._lifecycle(self._gens.replace, point="replace:waiting")
-        except ClusterError as exc:
-            return (f"{why} Replacing the ranks failed ({exc}); the next call will try to "
+        except Exception as exc:  # noqa: BLE001 - reported in the note, under the real error
+            return (f"{why} Replacing the ranks failed ({type(exc).__name__}: {exc}); the next call will try to "
                     "start them again.")
         return (f"{why} The ranks were replaced (old pids {old}, new pids {self.pids}); "
                 "anything they held (models, variables) is gone. The cluster is ready.")
@@ -156,8 +156,8 @@ class Cluster:
         gens = self._gens
         if gens.pending is not None and not gens.pending.done.is_set():
             try:
-                self._lifecycle(lambda: None)  # queued behind it: waits for it to end
-            except ClusterError:
+                self._lifecycle(_nothing, point="ready:waiting")  # queued behind it: waits for it
+            except Exception:  # a failed replacement: handled below
                 pass
         if gens.ranks is None:  # a replacement failed earlier: raises ClusterError if it still fails
             self._lifecycle(gens.start)
@@ -319,6 +319,10 @@ class Cluster:
         if any(f.get("died") for f in failures.values()):
             raise RankDied(failures, status, note, stacks)
         raise RankError(failures, status, note, stacks)
+
+
+def _nothing() -> None:
+    pass
 
 
 def launch(fn, *args, world_size: int = 2, backend: str = "auto", **kwargs) -> list:

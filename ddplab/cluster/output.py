@@ -9,7 +9,9 @@ puts under the running cell; stderr is shown in red).
 A job may print without end (a loop with a stray ``print``); the cell then
 shows a bounded share of each rank's output per job: the first
 ``HEAD_BYTES`` as they arrive, the last ``TAIL_BYTES`` when the job ends, and
-a line saying how much was dropped in between. The bound is applied where
+a line saying how much was dropped in between (a job that is stopped, by
+``job_timeout`` or Interrupt, may add up to one more head of output that
+arrived while its ranks were being stopped). The bound is applied where
 the pipes are read, so the kernel's memory and the time it spends printing
 stay bounded too, and it keeps looking at the clock (``job_timeout``) and
 for Interrupt however fast a rank writes.
