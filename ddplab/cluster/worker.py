@@ -247,11 +247,9 @@ def _start_reaper(lifeline_fd: int) -> None:
     by init and live on. The reaper reads the kernel's lifeline pipe, which
     reaches EOF when the kernel process ends however it ended, then signals
     the whole group (``kill 0``): this rank and everything its jobs started."""
-    subprocess.Popen(
-        ["/bin/sh", "-c", f"read _ <&{lifeline_fd}; kill -KILL 0"],
-        stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-        pass_fds=(lifeline_fd,), close_fds=True,
-    )
+    # The lifeline is the shell's stdin (a redirection like <&64 fails in dash above fd 9).
+    subprocess.Popen(["/bin/sh", "-c", "read _; kill -KILL 0"], stdin=lifeline_fd,
+                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, close_fds=True)
     os.close(lifeline_fd)
 
 
