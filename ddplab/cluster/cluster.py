@@ -174,6 +174,17 @@ class Cluster:
             print(note, file=sys.stderr)
         return gens.ranks
 
+    def ensure_ready(self) -> list[int]:
+        """Replace dead or stale ranks now rather than at the next job; returns the pids.
+
+        For callers that prepare fresh ranks (the %%ddp magics define names on
+        them) and must know before a job whether the ranks are new."""
+        with self._lock:
+            if self._gens.closed:
+                raise ClusterError("this Cluster was shut down; start a new one: ddplab.Cluster(...)")
+            self._ready()
+            return self.pids
+
     # -- running jobs --------------------------------------------------------
     def run(self, fn, *args, **kwargs) -> list:
         """Run ``fn(*args, **kwargs)`` on every rank; return the results by rank."""
