@@ -46,16 +46,14 @@ import atexit
 import itertools
 import sys
 import threading
-import time
 import weakref
-from multiprocessing.connection import wait
 
 from . import diagnosis, lifecycle, resources
 from .errors import ClusterError, CollectiveTimeout, JobTimeout, RankDied, RankError
+from .answers import GRACE_S, collect_answers  # noqa: F401 - GRACE_S kept importable here
 from .generations import Generations
 from .process import RankProcesses
 
-GRACE_S = 3.0  # how long healthy ranks get to finish once one rank has failed
 _live: "weakref.WeakSet[Cluster]" = weakref.WeakSet()
 
 
@@ -226,7 +224,7 @@ class Cluster:
                             pass  # that rank died just now: _collect sees its end
                         if rank == 0:
                             lifecycle.point("run:sent")
-                    outcome = self._collect(ranks, job_id, job_timeout)
+                    outcome = collect_answers(ranks, job_id, job_timeout, self._gens)
                     lifecycle.point("run:collected")
                     ranks.drain()  # what the job printed belongs to this call, not the next one
                 finally:
@@ -239,52 +237,6 @@ class Cluster:
                 print(self._replace("Interrupted."), file=sys.stderr)
                 raise
             return self._finish(ranks, *outcome)
-
-    def _collect(self, ranks: RankProcesses, job_id: int, job_timeout):
-        import cloudpickle
-
-        results, failures, groups, pending = {}, {}, {}, set(range(self.world_size))
-        start = time.monotonic()
-        grace_end = None
-        lifecycle.point("run:collecting")
-        while pending:
-            self._gens.out.show()
-            now = time.monotonic()
-            if job_timeout is not None and now - start > job_timeout:
-                return results, failures, groups, pending, "job_timeout"
-            if grace_end is not None and now > grace_end:
-                return results, failures, groups, pending, "broken_off"
-            try:
-                ready = wait([ranks.conns[r] for r in pending], timeout=0.05)
-            except (OSError, ValueError):  # closed under us by shutdown() from another thread
-                ready = []
-            if self._gens.closed:
-                raise ClusterError("this Cluster was shut down while the job ran")
-            for conn in ready:
-                rank = ranks.conns.index(conn)
-                try:
-                    msg = cloudpickle.loads(conn.recv_bytes())
-                except (EOFError, OSError):
-                    code = ranks.exit_status(rank, wait_s=1.0)
-                    failures[rank] = diagnosis.died_info(code, time.monotonic() - start)
-                    pending.discard(rank)
-                    continue
-                except Exception as exc:  # a result that cannot be unpickled here
-                    failures[rank] = {"type": type(exc).__name__, "frames": [], "dist_error": False,
-                                      "message": f"its result could not be unpickled: {exc}"}
-                    pending.discard(rank)
-                    continue
-                if msg[1] != job_id:
-                    continue  # a late answer to an earlier, abandoned job
-                pending.discard(rank)
-                groups[rank] = msg[3]
-                if msg[0] == "ok":
-                    results[rank] = msg[2]
-                else:
-                    failures[rank] = msg[2]
-            if failures and grace_end is None:
-                grace_end = time.monotonic() + GRACE_S
-        return results, failures, groups, pending, None
 
     def _finish(self, ranks, results, failures, groups, pending, why) -> list:
         if not failures and not pending:
