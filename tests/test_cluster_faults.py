@@ -328,3 +328,38 @@ def test_the_ranks_filter_of_one_job_does_not_hide_later_messages(capsys):
     out = capsys.readouterr().out
     assert "[rank 0] now" in out and "[rank 1] now" not in out
     assert "[rank 1] late from rank 1" in out
+
+
+def test_collective_timeouts_are_recognised_by_type_and_state_not_by_wording():
+    from ddplab.cluster import diagnosis as d
+
+    # gloo raises a plain RuntimeError at its timeout, worded as it likes.
+    gloo = {"type": "RuntimeError", "message": "Application timeout caused pair closure",
+            "runtime_error": True, "elapsed": 3.1}
+    assert d.is_collective_timeout(gloo, 3.0, "gloo", in_step=False)
+    assert not d.is_collective_timeout(gloo, 3.0, "gloo", in_step=True)  # collectives lined up
+    assert not d.is_collective_timeout(dict(gloo, elapsed=0.2), 3.0, "gloo", in_step=False)
+    learner = {"type": "ValueError", "message": "the loader timed out", "elapsed": 10.0}
+    assert not d.is_collective_timeout(learner, 3.0, "gloo", in_step=False)
+    # NCCL's watchdog aborts the rank (SIGABRT) once a collective outlives the timeout.
+    # (Needs two GPUs to happen for real; not run on the machines this was written on.)
+    watchdog = d.died_info(-signal.SIGABRT, elapsed=61.0)
+    assert d.is_collective_timeout(watchdog, 60.0, "cpu:gloo,cuda:nccl", in_step=False)
+    assert not d.is_collective_timeout(watchdog, 60.0, "gloo", in_step=False)
+    assert not d.is_collective_timeout(d.died_info(-signal.SIGABRT, 5.0), 60.0, "nccl", False)
+    nccl = {"type": "torch.distributed.DistBackendError", "dist_error": True, "elapsed": 60.5}
+    assert d.is_collective_timeout(nccl, 60.0, "nccl", in_step=False)
+
+
+def test_the_root_cause_comes_first():
+    from ddplab.cluster import diagnosis as d
+
+    failures = {0: {"type": "RuntimeError", "message": "Connection closed by peer",
+                    "runtime_error": True, "elapsed": 0.4},
+                1: d.died_info(-signal.SIGSEGV, elapsed=0.5)}
+    assert d.root_cause_order(failures) == [1, 0]
+    assert d.headline(failures).startswith("rank 1 died: the rank process ended with signal SIGSEGV")
+    own = {0: {"type": "RuntimeError", "message": "Connection reset", "runtime_error": True,
+               "elapsed": 0.9},
+           1: {"type": "ValueError", "message": "bad batch", "elapsed": 0.1}}
+    assert d.headline(own).startswith("rank 1 raised ValueError: bad batch")
