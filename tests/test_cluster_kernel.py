@@ -54,9 +54,14 @@ def test_interrupt_stops_the_job_and_keeps_the_kernel_and_cluster():
 def test_killing_the_kernel_leaves_no_rank_behind():
     with running_kernel() as (km, kc):
         pids = pids_of(execute(kc, START))
-        assert not any(gone(p) for p in pids)
+        # Processes a job started (here `sleep`) must die with the ranks too.
+        out = execute(kc, "import subprocess\n"
+                          "print('PIDS', c.run(lambda: subprocess.Popen(['sleep', '1000']).pid))")
+        kids = pids_of(out)
+        assert not any(gone(p) for p in pids + kids)
         os.kill(km.provisioner.pid, signal.SIGKILL)
         deadline = time.monotonic() + 15
-        while time.monotonic() < deadline and not all(gone(p) for p in pids):
+        while time.monotonic() < deadline and not all(gone(p) for p in pids + kids):
             time.sleep(0.1)
-        assert all(gone(p) for p in pids)
+        assert all(gone(p) for p in pids), "a rank outlived the kernel"
+        assert all(gone(p) for p in kids), "a process started by a job outlived the kernel"

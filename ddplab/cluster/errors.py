@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import linecache
 
+from . import diagnosis
+
 
 class ClusterError(RuntimeError):
     """The cluster itself could not do what was asked (start, closed, ...)."""
@@ -26,7 +28,8 @@ def format_traceback(info: dict) -> str:
     the kernel (ipykernel keeps cell sources in ``linecache``), so the rank
     cannot show the line; the kernel can.
     """
-    lines = ["Traceback (most recent call last):"]
+    # A rank that died (a signal, os._exit) has no Python traceback: say what happened only.
+    lines = ["Traceback (most recent call last):"] if info["frames"] else []
     for filename, lineno, name, line in info["frames"]:
         lines.append(f'  File "{filename}", line {lineno}, in {name}')
         source = line or linecache.getline(filename, lineno).strip()
@@ -48,13 +51,9 @@ class RankError(RuntimeError):
         self.stacks = stacks or {}
         self.exceptions = {r: f.get("exception_obj") for r, f in failures.items()}
         if head is None:
-            ranks = ", ".join(str(r) for r in sorted(failures))
-            first = failures[min(failures)]
-            head = f"rank {ranks} raised {first['type']}: {first['message']}"
-            if len(failures) > 1:
-                head = f"ranks {ranks} raised; rank {min(failures)}: {first['type']}: {first['message']}"
+            head = diagnosis.headline(failures)  # the root cause first, then knock-on errors
         parts = [head]
-        for r in sorted(failures):
+        for r in diagnosis.root_cause_order(failures):
             parts.append(f"\n--- rank {r} ---\n" + format_traceback(failures[r]))
         parts.append("\n--- every rank ---")
         parts += [f"rank {r}: {s}" for r, s in sorted(status.items())]

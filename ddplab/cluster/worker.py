@@ -4,16 +4,28 @@ Teaches: what a long-lived rank is. torchrun starts a fresh process per rank
 for one script; a notebook wants ranks that keep their state (models, hooks,
 optimizers) across cells. Each rank here is ``python -m ddplab.cluster.worker``
 spawned by the kernel (never forked: a forked child inherits the kernel's
-OpenMP and CUDA state and can hang). It joins the group on a TCPStore the
-kernel hosts, then waits on a private socket for cloudpickled jobs.
+OpenMP and CUDA state and can hang). It joins the group on a FileStore in a
+directory only this user can open (see rendezvous.py), then waits on a
+private socket for cloudpickled jobs.
 
 Why each odd line is here:
 - SIGINT is ignored: Jupyter's Interrupt signals the kernel's whole process
   group, and the kernel, not the rank, decides what an interrupt means.
-- SIGUSR1 dumps every thread's Python stack (faulthandler), so the kernel can
-  show where a stuck rank was even while it sits inside a C++ collective.
+- SIGUSR1 dumps every thread's Python stack (faulthandler) into a private
+  file, so the kernel can show where a stuck rank was even while it sits
+  inside a C++ collective, and even while it floods its stdout.
 - PR_SET_PDEATHSIG and EOF on the socket end the rank when the kernel dies,
   even by SIGKILL: no orphans.
+- The kernel starts each rank in a session (and process group) of its own,
+  and the rank starts a tiny reaper, ``sh``, in that group: it waits for EOF
+  on the kernel's lifeline pipe and then kills the whole group. So every
+  process a job starts (``subprocess.Popen``, DataLoader workers) dies with
+  the rank: the kernel kills the group at shutdown and replacement, the
+  reaper when the kernel dies. A process that leaves the group on purpose
+  (``setsid``, ``start_new_session=True``, a double-forking daemon) escapes.
+- After every job the rank reports each process group's sequence number
+  (how many collectives it has issued): when ranks disagree, collectives
+  no longer line up and the kernel replaces the ranks.
 - The rank leaves by ``os._exit`` once its last message is sent: gloo can
   abort a process in interpreter teardown (see PITFALLS.md), and a learner
   should never see "terminate called without an active exception".
@@ -21,8 +33,8 @@ Why each odd line is here:
 Leaves out, compared with torchrun: elastic restarts, multi-node launch (use
 ``ddplab.init_from_env`` under torchrun for that), per-rank log files.
 
-References: torch.distributed.init_process_group, TCPStore, PrefixStore;
-faulthandler; prctl(2).
+References: torch.distributed.init_process_group, FileStore; faulthandler;
+prctl(2); setsid(2); ProcessGroup._get_sequence_number_for_group.
 """
 from __future__ import annotations
 
@@ -32,8 +44,10 @@ import faulthandler
 import json
 import os
 import signal
+import subprocess
 import sys
 import threading
+import time
 import traceback
 from multiprocessing.connection import Connection
 
@@ -70,8 +84,14 @@ def to_cpu(obj):
     return obj
 
 
-def error_info(exc: BaseException, skip_frames: int = 1) -> dict:
-    """What the kernel needs to rebuild the traceback with its own cell sources."""
+def error_info(exc: BaseException, skip_frames: int = 1, elapsed: float = 0.0) -> dict:
+    """What the kernel needs to rebuild the traceback with its own cell sources.
+
+    Errors are classified by type, never by their wording: torch raises
+    ``DistError`` and its subclasses (DistBackendError, DistNetworkError,
+    DistStoreError) for NCCL and store failures, while gloo raises a plain
+    RuntimeError even for its timeouts; the kernel tells those apart with the
+    sequence numbers and the elapsed time (see diagnosis.py)."""
     import cloudpickle
     import torch.distributed as dist
 
@@ -80,18 +100,46 @@ def error_info(exc: BaseException, skip_frames: int = 1) -> dict:
         pickled = cloudpickle.dumps(exc)
     except Exception:
         pickled = None
-    dist_error = isinstance(exc, getattr(dist, "DistError", ())) or any(
-        s in str(exc) for s in ("Timed out", "timed out", "Connection closed by peer", "Connection reset")
-    )
     return {
         "type": f"{type(exc).__module__}.{type(exc).__qualname__}".removeprefix("builtins."),
         "message": str(exc),
         "frames": [(f.filename, f.lineno, f.name, f.line) for f in frames],
         "exception": pickled,
-        "dist_error": dist_error,
-        "timeout": "imed out" in str(exc) or isinstance(exc, TimeoutError),
+        "dist_error": isinstance(exc, getattr(dist, "DistError", ())),
+        "runtime_error": isinstance(exc, RuntimeError),  # gloo's errors, DistError included
+        "timeout": isinstance(exc, TimeoutError),
+        "elapsed": elapsed,
         "text": "".join(traceback.format_exception(exc)),
     }
+
+
+def group_state() -> dict | None:
+    """Collectives issued so far on each process group (its sequence number).
+
+    Equal numbers on every rank mean every collective a job issued found its
+    partner; unequal numbers mean one rank has a collective in flight that
+    the next job's first collective would pair with. None when unknown."""
+    try:
+        import torch
+        import torch.distributed as dist
+        from torch.distributed import distributed_c10d as c10d
+
+        if not dist.is_initialized():
+            return {}
+        state = {}
+        for pg, name in list(c10d._world.pg_names.items()):
+            seqs = []
+            for device in ("cpu", "cuda"):
+                try:
+                    seqs.append(pg._get_backend(torch.device(device))._get_sequence_number_for_group())
+                except Exception:  # no backend for that device in this group
+                    pass
+            if not seqs:
+                seqs.append(pg._get_sequence_number_for_group())
+            state[name] = tuple(seqs)
+        return state
+    except Exception:
+        return None
 
 
 class _Channel:
@@ -104,7 +152,9 @@ class _Channel:
     def send(self, obj) -> None:
         import cloudpickle
 
-        data = cloudpickle.dumps(obj)
+        self.send_bytes(cloudpickle.dumps(obj))
+
+    def send_bytes(self, data: bytes) -> None:
         with self.lock:
             self.conn.send_bytes(data)
 
@@ -125,8 +175,9 @@ def _init_group(cfg: dict) -> None:
         # Each rank owns one GPU and must select it before any CUDA work.
         torch.cuda.set_device(cfg["rank"])
         device_id = torch.device("cuda", cfg["rank"])
-    store = dist.TCPStore(cfg["host"], cfg["port"], is_master=False, timeout=timeout)
-    store = dist.PrefixStore(cfg["prefix"], store)
+    # A fresh file in a mode-0700 directory: no listener, nothing another user can open.
+    store = dist.FileStore(cfg["store_path"], cfg["world_size"])
+    store.set_timeout(timeout)
     kwargs = {"device_id": device_id} if device_id is not None else {}
     dist.init_process_group(
         cfg["backend"], store=store, rank=cfg["rank"], world_size=cfg["world_size"],
@@ -146,6 +197,8 @@ def _preimport() -> None:
         preimported.set()
 
 
+_stacks_file = None  # where faulthandler writes this rank's stacks
+
 try:
     _LIBC = ctypes.CDLL(None)  # this process's C library: its stdio buffers C/C++ output
 except OSError:
@@ -164,14 +217,40 @@ def _flush_output() -> None:
 def _run_job(chan: _Channel, job_id: int, job: bytes) -> None:
     import cloudpickle
 
+    t0 = time.monotonic()
     try:
         fn, args, kwargs = cloudpickle.loads(job)
         result = to_cpu(fn(*args, **kwargs))
-        _flush_output()
-        chan.send(("ok", job_id, result))
     except BaseException as exc:  # noqa: BLE001 - everything goes back to the kernel
         _flush_output()
-        chan.send(("err", job_id, error_info(exc, skip_frames=1)))
+        chan.send(("err", job_id, error_info(exc, 1, time.monotonic() - t0), group_state()))
+        return
+    _flush_output()
+    try:
+        data = cloudpickle.dumps(("ok", job_id, result, group_state()))
+    except Exception as exc:  # the job ran fine; only its value cannot travel
+        name = getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None) or repr(fn)
+        info = error_info(exc, skip_frames=len(traceback.extract_tb(exc.__traceback__)))
+        info.update(type="ResultNotPicklable", exception=None, elapsed=time.monotonic() - t0,
+                    message=f"the return value of {name} could not be pickled: "
+                            f"{type(exc).__name__}: {exc}. Return plain values, tensors or "
+                            "dicts/lists of them, and keep other objects on the rank.")
+        chan.send(("err", job_id, info, group_state()))
+        return
+    chan.send_bytes(data)
+
+
+def _start_reaper(lifeline_fd: int) -> None:
+    """A shell in this rank's process group that kills the group once the kernel is gone.
+
+    PR_SET_PDEATHSIG kills this process only; its children would be adopted
+    by init and live on. The reaper reads the kernel's lifeline pipe, which
+    reaches EOF when the kernel process ends however it ended, then signals
+    the whole group (``kill 0``): this rank and everything its jobs started."""
+    # The lifeline is the shell's stdin (a redirection like <&64 fails in dash above fd 9).
+    subprocess.Popen(["/bin/sh", "-c", "read _; kill -KILL 0"], stdin=lifeline_fd,
+                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, close_fds=True)
+    os.close(lifeline_fd)
 
 
 def _leave(code: int = 0) -> None:
@@ -186,7 +265,10 @@ def main() -> None:
     cfg = json.loads(os.environ.pop(CONFIG_VAR))
     _die_with_parent(cfg["parent_pid"])
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    faulthandler.register(signal.SIGUSR1, file=sys.stderr, all_threads=True)
+    _start_reaper(cfg["lifeline_fd"])
+    global _stacks_file
+    _stacks_file = open(cfg["stacks_path"], "a")  # noqa: SIM115 - open for the rank's life
+    faulthandler.register(signal.SIGUSR1, file=_stacks_file, all_threads=True)
     sys.path[:] = cfg["sys_path"]
     try:
         os.chdir(cfg["cwd"])
@@ -207,7 +289,10 @@ def main() -> None:
         except (EOFError, OSError):
             _leave(0)  # the kernel is gone
         if msg[0] == "job":
-            _run_job(chan, *msg[1:])
+            try:
+                _run_job(chan, *msg[1:])
+            except OSError:
+                _leave(0)  # the kernel went away while the job ran
         elif msg[0] == "shutdown":
             try:
                 import torch.distributed as dist
@@ -216,8 +301,10 @@ def main() -> None:
                     dist.destroy_process_group()
             except Exception:
                 pass
-            chan.send(("bye",))
-            _leave(0)
+            try:
+                chan.send(("bye",))
+            finally:
+                _leave(0)
 
 
 if __name__ == "__main__":

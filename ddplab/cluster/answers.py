@@ -1,0 +1,71 @@
+"""Collecting a job's answers from every rank, while the clock and the output keep moving.
+
+Teaches: the kernel's side of one collective job. Answers arrive in any
+order; each carries the job's id, so a late answer to an abandoned job is
+dropped instead of being taken for this one. A rank whose socket reaches EOF
+died (its exit status says how). Once one rank has failed, the others get
+``GRACE_S`` seconds to answer: a rank still inside a collective then is
+broken off rather than left waiting for the group's timeout. The loop shows
+the ranks' output and looks at the clock every 50 ms however much they print.
+
+Leaves out, compared with torch.multiprocessing.spawn: it joins processes
+that end; these ranks live on and answer many jobs.
+"""
+from __future__ import annotations
+
+import time
+from multiprocessing.connection import wait
+
+from . import diagnosis, lifecycle
+from .errors import ClusterError
+
+GRACE_S = 3.0  # how long healthy ranks get to finish once one rank has failed
+
+
+def collect_answers(ranks, job_id: int, job_timeout, gens):
+    """Wait for every rank's answer to job ``job_id``; returns (results, failures,
+    groups, pending, why) where ``why`` is None, "job_timeout" or "broken_off"."""
+    import cloudpickle
+
+    results, failures, groups, pending = {}, {}, {}, set(range(ranks.world_size))
+    start = time.monotonic()
+    grace_end = None
+    lifecycle.point("run:collecting")
+    while pending:
+        gens.out.show()
+        now = time.monotonic()
+        if job_timeout is not None and now - start > job_timeout:
+            return results, failures, groups, pending, "job_timeout"
+        if grace_end is not None and now > grace_end:
+            return results, failures, groups, pending, "broken_off"
+        try:
+            ready = wait([ranks.conns[r] for r in pending], timeout=0.05)
+        except (OSError, ValueError):  # closed under us by shutdown() from another thread
+            ready = []
+        if gens.closed:
+            raise ClusterError("this Cluster was shut down while the job ran")
+        for conn in ready:
+            rank = ranks.conns.index(conn)
+            try:
+                msg = cloudpickle.loads(conn.recv_bytes())
+            except (EOFError, OSError):
+                code = ranks.exit_status(rank, wait_s=1.0)
+                failures[rank] = diagnosis.died_info(code, time.monotonic() - start)
+                pending.discard(rank)
+                continue
+            except Exception as exc:  # a result that cannot be unpickled here
+                failures[rank] = {"type": type(exc).__name__, "frames": [], "dist_error": False,
+                                  "message": f"its result could not be unpickled: {exc}"}
+                pending.discard(rank)
+                continue
+            if msg[1] != job_id:
+                continue  # a late answer to an earlier, abandoned job
+            pending.discard(rank)
+            groups[rank] = msg[3]
+            if msg[0] == "ok":
+                results[rank] = msg[2]
+            else:
+                failures[rank] = msg[2]
+        if failures and grace_end is None:
+            grace_end = time.monotonic() + GRACE_S
+    return results, failures, groups, pending, None

@@ -1,0 +1,102 @@
+"""The ranks a Cluster has now, and the only code that starts, replaces or stops them.
+
+Teaches: a notebook's ranks are replaced many times in a session (a rank
+raised mid-collective, a timeout, an Interrupt), and each replacement is a
+new *generation*: new processes, a new store file, a new process group.
+Everything here runs on the spawner thread (lifecycle.py), one operation at
+a time, so whatever thread asked and however often it was interrupted, a
+generation is either fully started and recorded in ``ranks``, or stopped
+with its process groups killed and its files deleted; never half of each.
+
+``stale`` is the invariant that makes Interrupts harmless: it is set before a
+job is sent and cleared only once the job's outcome proves the ranks are in
+step, so a call interrupted at any line leaves a note that the next call
+reads, and the next call replaces the ranks first.
+
+Leaves out, compared with torch.distributed.elastic: rendezvous rounds over
+a network store, membership changes, restart limits.
+"""
+from __future__ import annotations
+
+import itertools
+import time
+
+from . import lifecycle
+from .errors import ClusterError
+from .output import RankOutput
+from .process import RankProcesses
+from .rendezvous import PrivateRendezvous
+
+
+class Generations:
+    def __init__(self, world_size: int, backend: str, timeout: float, threads: int, env: dict):
+        self.world_size, self.backend, self.timeout = world_size, backend, timeout
+        self.threads, self.env = threads, env
+        self.rendezvous = PrivateRendezvous()
+        self.out = RankOutput()
+        self._numbers = itertools.count()
+        self.ranks: RankProcesses | None = None
+        self.closed = False
+        self.stale: str | None = None  # why the ranks must be replaced before the next job
+        self.pending: lifecycle.Task | None = None  # the last operation handed to the spawner
+        self.start_seconds = 0.0
+
+    # -- run on the spawner thread only ---------------------------------------
+    def start(self) -> float:
+        if self.closed:
+            raise ClusterError("this Cluster was shut down; start a new one: ddplab.Cluster(...)")
+        t0 = time.monotonic()
+        number = next(self._numbers)
+        ranks = RankProcesses(self.world_size, self.backend, number, self.rendezvous, self.timeout,
+                              self.threads, self.env, self.out.queue, lifecycle.lifeline_fd())
+        try:
+            lifecycle.point("start:spawned")
+            first = ranks.wait_ready(deadline=t0 + max(60.0, self.timeout) + 30.0)
+        except BaseException:
+            self._discard(ranks)
+            raise
+        if all(m[0] == "ready" for m in first) and not self.closed:
+            self.ranks, self.stale = ranks, None
+            self.start_seconds = time.monotonic() - t0
+            return self.start_seconds
+        self._discard(ranks)
+        if self.closed:  # shut down, or abandoned by an interrupted Cluster(), while starting
+            raise ClusterError("this Cluster was shut down while its ranks were starting")
+        why = []
+        for r, m in enumerate(first):
+            if m[0] == "init_failed":
+                why.append(f"rank {r}: {m[1]['type']}: {m[1]['message']}")
+            elif m[0] != "ready":
+                why.append(f"rank {r}: {m[0]} {m[1:] if len(m) > 1 else ''}".rstrip())
+        raise ClusterError("ranks failed to start (their output is above):\n" + "\n".join(why))
+
+    def stop(self, graceful: bool) -> list[int] | None:
+        ranks, self.ranks = self.ranks, None
+        return self._discard(ranks, graceful) if ranks is not None else None
+
+    def replace(self) -> float:
+        self.stop(graceful=False)
+        lifecycle.point("replace:stopped")
+        return self.start()
+
+    def close(self, graceful: bool) -> list[int] | None:
+        self.closed = True
+        try:
+            return self.stop(graceful)
+        finally:
+            self.rendezvous.remove()
+
+    def _discard(self, ranks: RankProcesses, graceful: bool = False) -> list[int]:
+        try:
+            return ranks.stop(graceful=graceful)
+        finally:
+            self.rendezvous.forget(ranks.generation, self.world_size)
+
+    # -- any thread --------------------------------------------------------------
+    def abandon(self) -> None:
+        """The Cluster object is gone (garbage collected, or its __init__ was
+        interrupted): kill its ranks on the spawner thread, without waiting
+        and without printing, since nobody is there to read it."""
+        if not self.closed:
+            self.closed = True
+            lifecycle.spawner.submit(self.close, False)
