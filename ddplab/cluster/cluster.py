@@ -33,7 +33,7 @@ import time
 import weakref
 from multiprocessing.connection import wait
 
-from . import resources
+from . import resources, subset
 from .errors import ClusterError, CollectiveTimeout, JobTimeout, RankDied, RankError
 from .output import RankOutput
 from .process import RankProcesses
@@ -68,13 +68,18 @@ class Cluster:
         self._ranks: RankProcesses | None = None
         self._closed = False
         self.exit_codes: list[int] | None = None  # set by shutdown(); 0 = left cleanly
+        # What a rank sends besides results: on_display(rank, payload) for display
+        # objects made during a job (%%ddp sets it); the job now running, for status().
+        self.on_display = None
+        self.running: dict | None = None
         self.start_seconds = self._start()
         _live.add(self)
 
     # -- lifecycle -----------------------------------------------------------
     def _start(self) -> float:
         t0 = time.monotonic()
-        prefix = f"gen{next(self._generation)}"
+        self.generation = next(self._generation)
+        prefix = f"gen{self.generation}"
         ranks = RankProcesses(self.world_size, self.backend, "127.0.0.1", self.port, prefix,
                               self.timeout, self.threads_per_rank, self.env, self._out.queue)
         first = ranks.wait_ready(deadline=t0 + max(60.0, self.timeout) + 30.0)
@@ -139,11 +144,21 @@ class Cluster:
         """Run ``fn(*args, **kwargs)`` on every rank; return the results by rank."""
         return self.run_job(fn, args, kwargs)
 
+    def status(self):
+        """Each rank's pid, device, memory and job, with the backend, timeout and
+        generation (how many times the ranks were started before these)."""
+        from .status import cluster_status
+
+        return cluster_status(self)
+
     def run_job(self, fn, args=(), kwargs=None, *, job_timeout: float | None = None,
-                show_ranks=None) -> list:
+                show_ranks=None, ranks=None) -> list:
         """Like ``run`` with a wall-clock limit ``job_timeout`` (seconds) for this job.
 
         ``show_ranks`` (an iterable of ranks) limits whose output is shown.
+        ``ranks`` runs the job on those ranks only (the list still has one slot
+        per rank: None for the others); a collective called there raises at
+        once, since the other ranks are not taking part (see subset.py).
         """
         import cloudpickle
 
@@ -155,6 +170,9 @@ class Cluster:
             raise ValueError(f"job_timeout must be a positive number of seconds, got {job_timeout!r}")
         if self._ranks is None:
             self._start()
+        targets = set(range(self.world_size)) if ranks is None else subset.check(ranks, self.world_size)
+        if targets != set(range(self.world_size)):
+            fn, args, kwargs = subset.guarded_call, (sorted(targets), fn, *args), kwargs
         self._out.shown_ranks = None if show_ranks is None else set(show_ranks)
         job_id = next(self._job_ids)
         # The job travels pickled twice: a rank that cannot unpickle the function
@@ -163,10 +181,12 @@ class Cluster:
         job = cloudpickle.dumps((fn, tuple(args), dict(kwargs or {})))
         payload = cloudpickle.dumps(("job", job_id, job))
         ranks = self._ranks
+        self.running = {"id": job_id, "name": getattr(fn, "__name__", repr(fn)), "pending": set(targets),
+                        "ranks": set(targets), "start": time.monotonic()}
         try:
-            for conn in ranks.conns:
-                conn.send_bytes(payload)
-            outcome = self._collect(ranks, job_id, job_timeout)
+            for r in sorted(targets):
+                ranks.conns[r].send_bytes(payload)
+            outcome = self._collect(ranks, job_id, job_timeout, self.running["pending"])
             ranks.drain()  # what the job printed belongs to this call, not the next one
         except KeyboardInterrupt:
             stacks = self._stacks(ranks, range(self.world_size))
@@ -176,13 +196,14 @@ class Cluster:
             print(note, file=sys.stderr)
             raise
         finally:
+            self.running = None
             self._out.show(final=True)
-        return self._finish(ranks, *outcome)
+        return self._finish(ranks, *outcome, targets=targets)
 
-    def _collect(self, ranks: RankProcesses, job_id: int, job_timeout):
+    def _collect(self, ranks: RankProcesses, job_id: int, job_timeout, pending: set):
         import cloudpickle
 
-        results, failures, pending = {}, {}, set(range(self.world_size))
+        results, failures = {}, {}
         start = time.monotonic()
         grace_end = None
         while pending:
@@ -206,6 +227,12 @@ class Cluster:
                                       "message": f"its result could not be unpickled: {exc}"}
                     pending.discard(rank)
                     continue
+                if msg[0] == "display":  # a display object made during the job, not its end
+                    if msg[1] == job_id and self.on_display is not None:
+                        ranks.drain()  # what the rank printed before it comes first
+                        self._out.show()
+                        self.on_display(rank, msg[2])
+                    continue
                 if msg[1] != job_id:
                     continue  # a late answer to an earlier, abandoned job
                 pending.discard(rank)
@@ -217,9 +244,9 @@ class Cluster:
                 grace_end = time.monotonic() + GRACE_S
         return results, failures, pending, None
 
-    def _finish(self, ranks, results, failures, pending, why) -> list:
+    def _finish(self, ranks, results, failures, pending, why, targets) -> list:
         if not failures and not pending:
-            return [results[r] for r in range(self.world_size)]
+            return [results.get(r) for r in range(self.world_size)]
         for info in failures.values():
             if info.get("exception"):
                 try:
@@ -234,6 +261,8 @@ class Cluster:
                 status[r] = "returned normally"
             elif r in failures:
                 status[r] = f"raised {failures[r]['type']}"
+            elif r not in targets:
+                status[r] = "not taking part (the job ran on other ranks only)"
             else:
                 status[r] = "still running: broken off (its stack is below)"
         stacks = self._stacks(ranks, pending) if pending else {}

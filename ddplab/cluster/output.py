@@ -6,6 +6,9 @@ its unfinished line until the newline arrives, and every complete line is
 shown as ``[rank r] ...`` on the kernel's stdout or stderr (which Jupyter
 puts under the running cell; stderr is shown in red).
 
+A line rewritten with carriage returns (a progress bar) is shown as one line
+per rank that changes in place (progress.py).
+
 Leaves out: per-rank log files, timestamps (torchrun's ``--tee`` and
 ``--log-dir`` do those).
 """
@@ -13,6 +16,8 @@ from __future__ import annotations
 
 import queue
 import sys
+
+from .progress import LiveLines, visible
 
 
 class RankOutput:
@@ -22,6 +27,7 @@ class RankOutput:
         self.queue: queue.Queue = queue.Queue()  # (rank, "stdout" | "stderr", bytes)
         self.partial: dict = {}
         self.shown_ranks = None  # None: every rank; else a set (``%%ddp --ranks``)
+        self.live = LiveLines()
 
     def show(self, final: bool = False) -> None:
         """Print everything queued so far; ``final`` also flushes unfinished lines."""
@@ -34,14 +40,23 @@ class RankOutput:
         if final:
             for (rank, stream), rest in list(self.partial.items()):
                 if rest:
-                    self.emit(rank, stream, rest + "\n")
+                    self.add(rank, stream, b"\n")
             self.partial.clear()
+            self.live.finish_all(lambda stream: sys.stderr if stream == "stderr" else sys.stdout)
 
     def add(self, rank: int, stream: str, data: bytes) -> None:
-        text = self.partial.pop((rank, stream), "") + data.decode(errors="replace")
+        key = (rank, stream)
+        text = self.partial.pop(key, "") + data.decode(errors="replace")
         *lines, rest = text.split("\n")
+        lines = [visible(line) for line in lines]
+        if lines and self.live.is_open(key):  # a progress line ends: its final text, in place
+            self.live.finish(key, f"[rank {rank}] {lines.pop(0)}", sys.stderr if stream == "stderr" else sys.stdout)
+        if "\r" in rest:
+            rest = visible(rest)
+            if self.shown_ranks is None or rank in self.shown_ranks:
+                self.live.update(key, f"[rank {rank}] {rest}")
         if rest:
-            self.partial[(rank, stream)] = rest
+            self.partial[key] = rest
         if lines:
             self.emit(rank, stream, "".join(f"{line}\n" for line in lines))
 
