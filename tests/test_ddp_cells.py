@@ -272,3 +272,19 @@ def test_tab_and_inspect_in_a_ddp_cell_ask_rank_0_and_put_nothing_in_the_kernel(
                             "if n in globals()))")
         assert check["stdout"].strip() == "[]"
         execute(kc, "%ddp_stop")
+
+
+def test_export_prints_a_cells_last_value_and_keeps_on_cells_to_their_ranks(capsys):
+    from ddplab.export import Cell, _script_source
+
+    cell = Cell("<ddp-cell-3>", 'doc = """\n  kept as is\n"""\nif doc:\n    n = 2\nn * rank', "--on 1")
+    code = _script_source(cell)
+    for rank in (0, 1):
+        ns = {"rank": rank}
+        exec(code, ns)
+        assert ("doc" in ns) is (rank == 1)
+        if rank == 1:
+            assert ns["doc"] == "\n  kept as is\n"  # not indented by the `if rank in (1,):`
+    assert capsys.readouterr().out == "2\n"  # rank 1's value, as the notebook showed it
+    assert _script_source(Cell("<c>", "x = 1\nx;", "")) == "x = 1\nx;"  # `;`: nothing shown
+    assert _script_source(Cell("<c>", "print(1)", "")) == "print(1)"
