@@ -65,7 +65,7 @@ def describe_on_rank(expr: str, namespace: dict, detail: int = 0) -> str | None:
             lines += ["Source:", inspect.getsource(obj)]
         except (OSError, TypeError):
             pass
-    return "\n".join(lines) + "\n(asked of rank 0 of the %%ddp ranks)"
+    return "\n".join(lines) + f"\n(asked of rank {namespace.get('rank', 0)} of the %%ddp ranks)"
 
 
 # -- kernel side ---------------------------------------------------------------

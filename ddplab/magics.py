@@ -225,7 +225,7 @@ class DDPMagics(Magics):
         if text is None:
             print(f"{expr} is not defined on rank {rank}.")
             return
-        page.page(text.replace("rank 0", f"rank {rank}"))
+        page.page(text)
 
     @line_magic
     def ddp_status(self, line=""):

@@ -122,7 +122,7 @@ def test_an_error_in_the_last_expression_shows_the_cells_line(run):
 
 def test_tqdm_is_one_line_per_rank_updated_in_place(run):
     nb, messages = run
-    saved = plain(nb, 7)
+    saved = sorted(plain(nb, 7))  # in the order the ranks' bars first appeared
     assert len(saved) == 2, saved  # one line per rank, nothing else
     for r, line in enumerate(saved):
         assert line.startswith(f"[rank {r}] 100%|") and line.endswith("]") and "20/20" in line
@@ -288,3 +288,30 @@ def test_export_prints_a_cells_last_value_and_keeps_on_cells_to_their_ranks(caps
     assert capsys.readouterr().out == "2\n"  # rank 1's value, as the notebook showed it
     assert _script_source(Cell("<c>", "x = 1\nx;", "")) == "x = 1\nx;"  # `;`: nothing shown
     assert _script_source(Cell("<c>", "print(1)", "")) == "print(1)"
+
+
+def test_a_progress_bar_outside_jupyter_prints_only_its_final_line(capsys):
+    from ddplab.cluster.output import RankOutput
+
+    out = RankOutput()
+    for chunk in (b"\r  0%|          | 0/3", b"\r 33%|###", b"       | 1/3\r 67%|######    | 2/3",
+                  b"\r100%|##########| 3/3\n", b"done\n"):
+        out.add(1, "stderr", chunk)
+    out.show(final=True)
+    assert capsys.readouterr().err == "[rank 1] 100%|##########| 3/3\n[rank 1] done\n"
+
+
+def test_many_ranks_fold_behind_rank_0_and_agreeing_figures_show_once(monkeypatch):
+    from ddplab import rankview
+
+    shown = []
+    monkeypatch.setattr(rankview, "_publish", lambda data, metadata=None: shown.append(data))
+    rankview.show_values([{"data": {"text/plain": str(r)}, "metadata": {}} for r in range(8)], 8)
+    (block,) = shown
+    assert block["text/plain"].splitlines() == [f"[rank {r}] {r}" for r in range(8)]
+    assert block["text/html"].count("<details open") == 1  # rank 0 open, ranks 1-7 folded
+    assert block["text/html"].count("<details") == 8
+    shown.clear()
+    figure = {"data": {"application/vnd.plotly.v1+json": {"data": []}, "text/plain": "Figure"}, "metadata": {}}
+    rankview.show_values([figure, figure], 2)
+    assert [d.get("text/plain") for d in shown] == ["[all ranks]", "Figure"]

@@ -171,6 +171,7 @@ class Cluster:
         if self._ranks is None:
             self._start()
         targets = set(range(self.world_size)) if ranks is None else subset.check(ranks, self.world_size)
+        name = getattr(fn, "__name__", type(fn).__name__)
         if targets != set(range(self.world_size)):
             fn, args, kwargs = subset.guarded_call, (sorted(targets), fn, *args), kwargs
         self._out.shown_ranks = None if show_ranks is None else set(show_ranks)
@@ -181,7 +182,7 @@ class Cluster:
         job = cloudpickle.dumps((fn, tuple(args), dict(kwargs or {})))
         payload = cloudpickle.dumps(("job", job_id, job))
         ranks = self._ranks
-        self.running = {"id": job_id, "name": getattr(fn, "__name__", repr(fn)), "pending": set(targets),
+        self.running = {"id": job_id, "name": name, "pending": set(targets),
                         "ranks": set(targets), "start": time.monotonic()}
         try:
             for r in sorted(targets):
@@ -231,7 +232,10 @@ class Cluster:
                     if msg[1] == job_id and self.on_display is not None:
                         ranks.drain()  # what the rank printed before it comes first
                         self._out.show()
-                        self.on_display(rank, msg[2])
+                        try:
+                            self.on_display(rank, msg[2])
+                        except Exception as exc:  # showing it failed; the job goes on
+                            print(f"[rank {rank}] (a display could not be shown: {exc!r})", file=sys.stderr)
                     continue
                 if msg[1] != job_id:
                     continue  # a late answer to an earlier, abandoned job

@@ -50,7 +50,8 @@ class RankOutput:
         *lines, rest = text.split("\n")
         lines = [visible(line) for line in lines]
         if lines and self.live.is_open(key):  # a progress line ends: its final text, in place
-            self.live.finish(key, f"[rank {rank}] {lines.pop(0)}", sys.stderr if stream == "stderr" else sys.stdout)
+            out = sys.stderr if stream == "stderr" else sys.stdout
+            self.live.finish(key, f"[rank {rank}] {lines.pop(0)}", out)
         if "\r" in rest:
             rest = visible(rest)
             if self.shown_ranks is None or rank in self.shown_ranks:
