@@ -44,8 +44,12 @@ CELLS = [
     "%%ddp --on 0\nprint('only', rank)\ndist.all_reduce(w)",
     "%%ddp --on 1\nw",  # 11: rank 1's value only
     "%%ddp\ndist.all_reduce(w)\nw",  # 12: the ranks and their group are intact
+    # 13-15: a torch DDP model: its forward on rank 0 only is refused unless no backward can follow
+    "%%ddp\nddp_model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(2, 2))",
+    "%%ddp --on 0\nddp_model(torch.ones(1, 2)).sum()",
+    "%%ddp --on 0\nwith torch.no_grad():\n    out = ddp_model(torch.ones(1, 2))\nout.shape",
 ]
-RAISES = {6, 10}
+RAISES = {6, 10, 14}
 
 
 class RecordingClient(NotebookClient):
@@ -315,3 +319,12 @@ def test_many_ranks_fold_behind_rank_0_and_agreeing_figures_show_once(monkeypatc
     figure = {"data": {"application/vnd.plotly.v1+json": {"data": []}, "text/plain": "Figure"}, "metadata": {}}
     rankview.show_values([figure, figure], 2)
     assert [d.get("text/plain") for d in shown] == ["[all ranks]", "Figure"]
+
+
+def test_a_ddp_forward_on_some_ranks_is_refused_unless_no_backward_can_follow(run):
+    nb, messages = run
+    (err,) = outputs(nb, 14, "error")
+    assert "DistributedDataParallel forward with gradients on" in err.evalue
+    assert "rank(s) [1], which are not taking part" in err.evalue
+    assert _seconds(messages[14]) < 5
+    assert plain(nb, 15) == ["[rank 0] torch.Size([1, 2])"]

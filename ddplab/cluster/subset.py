@@ -7,11 +7,14 @@ minutes by default in torch), and gloo's group is unusable after that. So a
 job sent to some ranks only (``Cluster.run_job(..., ranks=[0])``, ``%%ddp --on
 0``) runs with torch.distributed's collectives replaced by ones that raise
 ``NotTakingPart`` at once, naming the ranks that are missing. A collective on
-a group made only of the ranks taking part still runs.
+a group made only of the ranks taking part still runs. A forward pass of a
+torch DDP model with gradients on is refused too: torch's C++ reducer would
+all-reduce in the backward that follows, out of Python's reach (under
+``torch.no_grad()`` or ``model.module(x)`` it runs).
 
 Leaves out: collectives reached without going through ``torch.distributed``'s
-functions (methods of a ProcessGroup object, torch DDP's C++ reducer in
-backward). Those still wait for the timeout, which then names the stuck rank.
+functions (methods of a ProcessGroup object). Those still wait for the
+timeout, which then names the stuck rank.
 
 References: torch.distributed (collective semantics: every rank of the group
 must call it); ipyparallel's ``%%px --targets`` (the same idea for engines,
@@ -83,9 +86,30 @@ def _refusing(dist, name: str, original, targets, world_size):
     return refuse
 
 
+def _refusing_ddp_forward(original, targets, world_size):
+    import torch
+
+    others = [r for r in range(world_size) if r not in targets]
+
+    @functools.wraps(original)
+    def forward(self, *args, **kwargs):
+        __tracebackhide__ = True
+        if torch.is_grad_enabled() and self.require_backward_grad_sync:
+            raise NotTakingPart(
+                f"a DistributedDataParallel forward with gradients on, in a job that runs on rank(s) "
+                f"{list(targets)} only (%%ddp --on): its backward would all-reduce gradients with "
+                f"rank(s) {others}, which are not taking part. Inspect under torch.no_grad(), or "
+                "call model.module(...).")
+        return original(self, *args, **kwargs)
+
+    return forward
+
+
 def guarded_call(targets, fn, *args, **kwargs):
     """Run ``fn`` with torch.distributed's collectives refusing to start."""
     __tracebackhide__ = True
+    import sys
+
     import torch.distributed as dist
     from torch.distributed import distributed_c10d
 
@@ -97,6 +121,11 @@ def guarded_call(targets, fn, *args, **kwargs):
             if original is not None:
                 saved.append((module, name, original))
                 setattr(module, name, _refusing(dist, name, original, targets, world_size))
+    ddp = sys.modules.get("torch.nn.parallel.distributed")  # not imported: no DDP model exists
+    if ddp is not None:
+        cls = ddp.DistributedDataParallel
+        saved.append((cls, "forward", cls.forward))
+        cls.forward = _refusing_ddp_forward(cls.forward, targets, world_size)
     try:
         return fn(*args, **kwargs)
     finally:
