@@ -17,9 +17,13 @@ Pushed values become code where that is exact (literals; small tensors as
 beside the script. Anything else (a model object, a function) is marked in
 the script by a ``raise`` that says what to write there.
 
-Leaves out: kernel-side cells (only what ran on the ranks is exported),
-cells' display of a last expression (%%ddp cells run like a script: print),
-and ``__name__``, which is "__ddp__" on a Cluster rank and "__main__" here.
+A cell's last expression, which the notebook showed for each rank, is
+printed by the script (unless ``;`` ended it, or it is None), and a cell run
+with ``--on 0`` becomes ``if rank in (0,):``.
+
+Leaves out: kernel-side cells (only what ran on the ranks is exported), rich
+display (the script prints the plain-text form), and ``__name__``, which is
+"__ddp__" on a Cluster rank and "__main__" here.
 
 References: torchrun (torch.distributed.run) and its
 TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE; torch.load(weights_only=True).
@@ -155,6 +159,44 @@ def _header(name: str, rec: Recording, side: str | None) -> str:
     return "\n".join(lines + ['"""'])
 
 
+def _script_source(cell: Cell) -> str:
+    """The cell as script code: its last value printed, --on ranks as an ``if``."""
+    from .ddpcell import ends_with_semicolon
+
+    source = cell.source.rstrip("\n")
+    tree = ast.parse(source)
+    last = tree.body[-1] if tree.body else None
+    if (isinstance(last, ast.Expr) and not ends_with_semicolon(source)
+            and not (isinstance(last.value, ast.Call) and getattr(last.value.func, "id", "") == "print")):
+        lines = source.split("\n")
+        expr = ast.get_source_segment(source, last.value)
+        lines[last.lineno - 1:last.end_lineno] = [
+            f"_ddp_value = ({expr})",
+            "if _ddp_value is not None:  # the notebook showed this value for each rank",
+            "    print(_ddp_value)"]
+        source = "\n".join(lines)
+    on = cell.magic_line.split("--on", 1)[1].split()[0] if "--on" in cell.magic_line else None
+    if on is not None:
+        ranks = tuple(int(r) for r in on.split(",") if r.strip())
+        inside = _string_continuations(source)
+        source = f"if rank in {ranks!r}:  # %%ddp --on {on}\n" + "\n".join(
+            line if not line.strip() or n in inside else "    " + line
+            for n, line in enumerate(source.split("\n"), 1))
+    return source
+
+
+def _string_continuations(source: str) -> set[int]:
+    """Lines (1-based) inside a multi-line string: indenting them would change the string."""
+    import tokenize
+
+    inside = set()
+    for tok in tokenize.generate_tokens(io.StringIO(source).readline):
+        strings = (tokenize.STRING, getattr(tokenize, "FSTRING_MIDDLE", tokenize.STRING))  # 3.12 f-strings
+        if tok.type in strings and tok.end[0] > tok.start[0]:
+            inside.update(range(tok.start[0] + 1, tok.end[0] + 1))
+    return inside
+
+
 def script_text(rec: Recording, name: str = "train.py", side: str | None = None) -> tuple[str, dict]:
     """The script for ``rec`` and the values for its side file ``side`` ({} if none)."""
     pushes = [e for e in rec.entries if isinstance(e, Push)]
@@ -180,7 +222,7 @@ def script_text(rec: Recording, name: str = "train.py", side: str | None = None)
         out.append("")
         if isinstance(entry, Cell):
             options = f" {entry.magic_line}" if entry.magic_line else ""
-            out += [f"# %%ddp{options}  ({entry.filename})", entry.source.rstrip("\n")]
+            out += [f"# %%ddp{options}  ({entry.filename})", _script_source(entry)]
         elif isinstance(entry, LeftOut):
             out.append(f"# {entry.filename} is left out: in the notebook, {entry.why}")
         elif entry.how == "code":

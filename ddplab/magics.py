@@ -7,11 +7,20 @@ cell, register hooks in the next, train in a third), with ``rank``,
 ``local_rank``, ``world_size`` and ``device`` defined as under torchrun.
 ``%ddp_export`` then writes the cells as a script for ``torchrun``.
 
+A cell behaves like an ordinary cell, once per rank: its last expression is
+shown for each rank (once, "all ranks", when they agree; ``;`` suppresses
+it), ``display(obj)`` and plotly's ``fig.show()`` on a rank appear in the
+cell labelled by rank, a tqdm bar is one line per rank updating in place,
+Tab completes the ranks' names and ``name?`` shows their docstrings (rank 0
+is asked).
+
     %load_ext ddplab
     %ddp_start 2 [--backend gloo|nccl|auto] [--timeout S]
     %%ddp [--timeout S] [--ranks 0,1]      (--ranks filters the output shown only)
+    %%ddp --on 0                           runs on rank 0 only (no collectives there)
     %ddp_push NAME [NAME ...]              kernel -> every rank
     %ddp_pull NAME                         every rank -> kernel: a list by rank
+    %ddp_status                            pids, devices, memory, jobs
     %ddp_stop
     %ddp_export FILE.py
 
@@ -21,24 +30,27 @@ ranks) under a file name like ``<ddp-cell-7>`` that it also puts in its own
 traceback is rebuilt in the kernel from that linecache, so it shows the
 cell's own lines, numbered as the notebook's editor numbers them.
 
-Leaves out, compared with ipyparallel's %%px: engines on other machines,
-non-blocking cells and ``--targets`` (every rank must run every cell, or the
-collectives would not match); a cell's last expression is not displayed.
+Leaves out, compared with ipyparallel's %%px: engines on other machines and
+non-blocking cells. ``--on`` is %%px's ``--targets`` for inspection only: a
+collective there raises at once (the other ranks are not taking part).
 
 References: IPython's Magics API; ipyparallel's %%px (and its
-``_render_traceback_`` for remote errors); torchrun.
+``_render_traceback_`` for remote errors); torchrun. The pieces: ddpcell.py
+(split and run a cell), rankview.py (per-rank blocks), completion.py (Tab and
+``?``), cluster/progress.py (tqdm lines), cluster/status.py, cluster/subset.py.
 """
 from __future__ import annotations
 
 import linecache
 import os
+import re
 import traceback
 
 from IPython.core.error import UsageError
 from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 
-from . import export
+from . import completion, ddpcell, export, rankview
 from .cluster import Cluster, RankError
 
 
@@ -58,9 +70,15 @@ RANK_NAMESPACE = _RankNamespace()
 
 def _rank_list(text: str) -> set[int]:
     try:
-        return {int(r) for r in text.split(",") if r.strip()}
+        ranks = {int(r) for r in text.split(",") if r.strip()}
     except ValueError:
-        raise UsageError(f"--ranks takes rank numbers separated by commas, e.g. --ranks 0,1; got {text!r}") from None
+        ranks = set()
+    if not ranks:
+        raise UsageError(f"--ranks and --on take rank numbers separated by commas, e.g. 0 or 0,1; got {text!r}")
+    return ranks
+
+
+_INSPECT = re.compile(r"^\s*([A-Za-z_][\w.]*)\s*(\?\??)\s*$")  # a cell that is just `name?` or `name??`
 
 
 def _show_message_only(exc: RankError) -> None:
@@ -81,6 +99,7 @@ class DDPMagics(Magics):
         self._pids: list[int] = []  # the ranks the recording and the names belong to
         self._backend = "auto"
         self._filenames: set[str] = set()
+        self._shown_ranks = None  # the running cell's --ranks
 
     # -- lifecycle -------------------------------------------------------------
     @magic_arguments()
@@ -128,15 +147,23 @@ class DDPMagics(Magics):
 
         cluster = self.cluster
         cluster.run(torchrun.publish_names, RANK_NAMESPACE)
+        cluster.run(ddpcell.prepare)
+        cluster.on_display = self._show_display
         self._pids = cluster.pids
         self.recording = export.Recording(cluster.world_size, self._backend, cluster.timeout)
 
-    def _run(self, fn, args, job_timeout=None, show_ranks=None) -> list:
+    def _show_display(self, rank: int, payload: dict) -> None:
+        rankview.show_display(rank, payload, self.cluster.world_size, self._shown_ranks)
+
+    def _run(self, fn, args, job_timeout=None, show_ranks=None, ranks=None) -> list:
         cluster = self._need_cluster()
-        if cluster.pids != self._pids:  # the Cluster replaced its ranks after a failure
+        # ensure_ready replaces ranks that died while idle now, so that the names
+        # cells rely on are defined on the new ones before the cell runs.
+        if cluster.ensure_ready() != self._pids:  # replaced after a failure, or just now
             self._prepare_ranks()
+        self._shown_ranks = show_ranks
         try:
-            return cluster.run_job(fn, args, job_timeout=job_timeout, show_ranks=show_ranks)
+            return cluster.run_job(fn, args, job_timeout=job_timeout, show_ranks=show_ranks, ranks=ranks)
         except RankError as exc:
             _show_message_only(exc)
             raise
@@ -145,13 +172,21 @@ class DDPMagics(Magics):
     @magic_arguments()
     @argument("--timeout", type=float, default=None, help="wall-clock limit for this cell, in seconds")
     @argument("--ranks", type=_rank_list, default=None, help="show only these ranks' output, e.g. 0 or 0,2")
+    @argument("--on", type=_rank_list, default=None,
+              help="run on these ranks only, e.g. 0 (for inspection: collectives raise there)")
     @cell_magic
     def ddp(self, line, cell):
-        """Run the cell on every rank, in that rank's persistent namespace."""
+        """Run the cell on every rank (or the --on ranks), in each rank's persistent
+        namespace; show each rank's last expression like a cell's Out."""
         args = parse_argstring(self.ddp, line)
         cluster = self._need_cluster()
-        if args.ranks is not None and not args.ranks <= set(range(cluster.world_size)):
-            raise UsageError(f"--ranks {sorted(args.ranks)}: ranks are 0..{cluster.world_size - 1}")
+        for option in ("ranks", "on"):
+            chosen = getattr(args, option)
+            if chosen is not None and not chosen <= set(range(cluster.world_size)):
+                raise UsageError(f"--{option} {sorted(chosen)}: ranks are 0..{cluster.world_size - 1}")
+        asked = _INSPECT.match(cell)
+        if asked:
+            return self._inspect(asked.group(1), len(asked.group(2)) - 1, args.on)
         if args.timeout is not None and not args.timeout > 0:
             raise UsageError("--timeout takes a positive number of seconds")
         filename = self._new_filename()
@@ -160,19 +195,44 @@ class DDPMagics(Magics):
         shown = magic_line + "\n" + cell
         linecache.cache[filename] = (len(shown), None, shown.splitlines(True), filename)
         try:
-            code = compile("\n" + cell, filename, "exec")
+            body, last = ddpcell.compile_cell(cell, filename)
         except SyntaxError as exc:
             # Raised as is, IPython would list this magic's frames above the cell's line.
             raise UsageError("this cell was not sent to the ranks:\n"
                              + "".join(traceback.format_exception_only(exc)).rstrip()) from None
         try:
-            self._run(exec, (code, RANK_NAMESPACE), args.timeout, args.ranks)
+            values = self._run(ddpcell.run_cell, (body, last, RANK_NAMESPACE), args.timeout, args.ranks,
+                               ranks=args.on)
         except RankError as exc:
             if self.cluster.pids == self._pids:  # ranks kept: note the gap in the recording
                 self.recording.add_left_out(filename, str(exc).splitlines()[0])
             raise
         if cell.strip():
             self.recording.add_cell(filename, cell, line.strip())
+        if args.ranks is not None:
+            values = [v if r in args.ranks else None for r, v in enumerate(values)]
+        if args.on is not None:  # ranks that did not run the cell have no value to agree on
+            rankview.show_blocks([(r, values[r]) for r in sorted(args.on) if values[r] is not None],
+                                 cluster.world_size)
+            return
+        rankview.show_values(values, cluster.world_size)
+
+    def _inspect(self, expr: str, detail: int, on) -> None:
+        """``name?`` (detail 0) or ``name??`` (1, with source) in a %%ddp cell: asked of one rank."""
+        from IPython.core import page
+
+        rank = min(on) if on else 0
+        text = self._run(completion.describe_on_rank, (expr, RANK_NAMESPACE, detail), ranks=[rank],
+                         show_ranks=())[rank]
+        if text is None:
+            print(f"{expr} is not defined on rank {rank}.")
+            return
+        page.page(text)
+
+    @line_magic
+    def ddp_status(self, line=""):
+        """Each rank's pid, device, memory and job; the backend, timeout and generation."""
+        return self._need_cluster().status()
 
     def _new_filename(self) -> str:
         # Named after the cell's In[n] so a learner can find it (IPython has already
@@ -228,14 +288,24 @@ class DDPMagics(Magics):
 
 
 def load_ipython_extension(ipython) -> None:
-    """``%load_ext ddplab``."""
-    ipython.register_magics(DDPMagics)
+    """``%load_ext ddplab``: the magics, Tab completion and Shift-Tab inside %%ddp cells."""
+    magics = DDPMagics(ipython)
+    ipython.register_magics(magics)
+    ipython.Completer.custom_matchers.append(completion.make_matcher(magics))
+    kernel = getattr(ipython, "kernel", None)
+    if kernel is not None:
+        completion.wrap_inspect(kernel, magics)
 
 
 def unload_ipython_extension(ipython) -> None:
     magics = ipython.magics_manager.registry.get("DDPMagics")
     if magics is not None and magics.cluster is not None:
         magics.ddp_stop()
+    ipython.Completer.custom_matchers[:] = [m for m in ipython.Completer.custom_matchers
+                                            if getattr(m, "__name__", "") != "ddp_rank_names"]
+    kernel = getattr(ipython, "kernel", None)
+    if kernel is not None and hasattr(kernel.do_inspect, "original"):
+        kernel.do_inspect = kernel.do_inspect.original
 
 
 __all__ = ["DDPMagics", "load_ipython_extension", "unload_ipython_extension", "RANK_NAMESPACE"]

@@ -109,3 +109,48 @@ def test_the_tour_runs_in_jupyterlab_and_its_panel_reruns_on_live_ranks(tmp_path
         finally:
             shots = save_screenshots(page, "browser-tour", ".ddplab-panel")
             shutil.copy(lab.log_path, shots[0].parent / "browser-tour-jupyterlab.log")
+
+
+RANK_FIGURE_CELLS = [
+    "%load_ext ddplab\n%ddp_start 2",
+    "%%ddp\nimport plotly.graph_objects as go\n"
+    "fig = go.Figure(go.Bar(x=['a', 'b', 'c'], y=[rank + 1, rank + 2, rank + 3]))\n"
+    "if rank == 1:\n    fig.show()\nrank * 10",
+    "%ddp_stop\nprint('all cells ran')",
+]
+
+
+def test_a_figure_made_on_rank_1_renders_in_jupyterlab_labelled_by_rank(tmp_path):
+    """A %%ddp cell as a learner sees it: rank 1's plotly figure drawn under its label,
+    and each rank's last value in its own section."""
+    executable = require_browser()
+    root = tmp_path / "root"
+    root.mkdir()
+    nb = nbformat.v4.new_notebook()
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    nb.cells = [nbformat.v4.new_code_cell(src) for src in RANK_FIGURE_CELLS]
+    nbformat.write(nb, str(root / "ranks.ipynb"))
+    with jupyterlab(root, tmp_path / "lab") as lab, chromium(executable, height=1400) as page:
+        try:
+            open_notebook(page, lab, "ranks.ipynb")
+            run_all_cells(page, timeout_s=60)
+            assert notebook_errors(page) == []
+            assert page.locator(".jp-OutputArea-output", has_text="all cells ran").count() == 1
+            # plotly's JupyterLab renderer makes the output element itself the plot
+            drawn = wait_for_bars(page, ".jp-OutputArea-output.js-plotly-plot")
+            assert drawn["drawn"] == drawn["in_data"] == 3
+            assert page.locator(".jp-OutputArea-output.js-plotly-plot").count() == 1  # rank 1's only
+            # the output just above the figure is its label
+            label = page.evaluate("""() => {
+                const plot = document.querySelector('.jp-OutputArea-output.js-plotly-plot');
+                const child = plot.closest('.jp-OutputArea-child');
+                return child.previousElementSibling.innerText.trim(); }""")
+            assert label == "rank 1"
+            sections = page.locator(".jp-OutputArea-output details summary").all_inner_texts()
+            assert sections == ["rank 0", "rank 1"]
+            text = page.locator(".jp-OutputArea-output details").all_inner_texts()
+            assert [t.split()[-1] for t in text] == ["0", "10"]
+            assert page.errors == []
+        finally:
+            shots = save_screenshots(page, "browser-rank-figure", ".jp-Notebook")
+            shutil.copy(lab.log_path, shots[0].parent / "browser-rank-figure-jupyterlab.log")

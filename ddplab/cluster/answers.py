@@ -13,6 +13,7 @@ that end; these ranks live on and answer many jobs.
 """
 from __future__ import annotations
 
+import sys
 import time
 from multiprocessing.connection import wait
 
@@ -22,12 +23,15 @@ from .errors import ClusterError
 GRACE_S = 3.0  # how long healthy ranks get to finish once one rank has failed
 
 
-def collect_answers(ranks, job_id: int, job_timeout, gens):
-    """Wait for every rank's answer to job ``job_id``; returns (results, failures,
-    groups, pending, why) where ``why`` is None, "job_timeout" or "broken_off"."""
+def collect_answers(ranks, job_id: int, job_timeout, gens, pending=None, on_display=None):
+    """Wait for the answer to job ``job_id`` of every rank in ``pending`` (a set,
+    emptied as answers arrive; default every rank); returns (results, failures,
+    groups, pending, why) where ``why`` is None, "job_timeout" or "broken_off".
+    A display object a rank sends during the job goes to ``on_display(rank, payload)``."""
     import cloudpickle
 
-    results, failures, groups, pending = {}, {}, {}, set(range(ranks.world_size))
+    results, failures, groups = {}, {}, {}
+    pending = set(range(ranks.world_size)) if pending is None else pending
     start = time.monotonic()
     grace_end = None
     lifecycle.point("run:collecting")
@@ -58,6 +62,10 @@ def collect_answers(ranks, job_id: int, job_timeout, gens):
                                   "message": f"its result could not be unpickled: {exc}"}
                 pending.discard(rank)
                 continue
+            if msg[0] == "display":  # a display object made during the job, not its end
+                if msg[1] == job_id and on_display is not None:
+                    _show(ranks, gens, on_display, rank, msg[2])
+                continue
             if msg[1] != job_id:
                 continue  # a late answer to an earlier, abandoned job
             pending.discard(rank)
@@ -69,3 +77,12 @@ def collect_answers(ranks, job_id: int, job_timeout, gens):
         if failures and grace_end is None:
             grace_end = time.monotonic() + GRACE_S
     return results, failures, groups, pending, None
+
+
+def _show(ranks, gens, on_display, rank: int, payload) -> None:
+    ranks.drain()  # what the rank printed before the display comes first
+    gens.out.show()
+    try:
+        on_display(rank, payload)
+    except Exception as exc:  # showing it failed; the job goes on
+        print(f"[rank {rank}] (a display could not be shown: {exc!r})", file=sys.stderr)

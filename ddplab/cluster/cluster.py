@@ -46,9 +46,10 @@ import atexit
 import itertools
 import sys
 import threading
+import time
 import weakref
 
-from . import diagnosis, lifecycle, resources
+from . import diagnosis, lifecycle, resources, subset
 from .errors import ClusterError, CollectiveTimeout, JobTimeout, RankDied, RankError
 from .answers import GRACE_S, collect_answers  # noqa: F401 - GRACE_S kept importable here
 from .generations import Generations
@@ -76,6 +77,10 @@ class Cluster:
         self._job_ids = itertools.count(1)
         self._lock = threading.Lock()  # one job (or shutdown) at a time, from any thread
         self.exit_codes: list[int] | None = None  # set by shutdown(); 0 = left cleanly
+        # What a rank sends besides results: on_display(rank, payload) for display
+        # objects made during a job (%%ddp sets it); the job now running, for status().
+        self.on_display = None
+        self.running: dict | None = None
         self._gens = Generations(self.world_size, self.backend, self.timeout,
                                  self.threads_per_rank, self.env)
         # Garbage collection kills the ranks at once, never a slow clean shutdown.
@@ -91,6 +96,11 @@ class Cluster:
     @property
     def start_seconds(self) -> float:
         return self._gens.start_seconds
+
+    @property
+    def generation(self) -> int:
+        """How many times the ranks were started before these (0: the first ranks)."""
+        return self._gens.number
 
     @property
     def pids(self) -> list[int]:
@@ -188,12 +198,22 @@ class Cluster:
         """Run ``fn(*args, **kwargs)`` on every rank; return the results by rank."""
         return self.run_job(fn, args, kwargs)
 
+    def status(self):
+        """Each rank's pid, device, memory and job, with the backend, timeout and
+        generation (how many times the ranks were started before these)."""
+        from .status import cluster_status
+
+        return cluster_status(self)
+
     def run_job(self, fn, args=(), kwargs=None, *, job_timeout: float | None = None,
-                show_ranks=None) -> list:
+                show_ranks=None, ranks=None) -> list:
         """Like ``run`` with a wall-clock limit ``job_timeout`` (seconds) for this job.
 
         ``show_ranks`` (an iterable of ranks) limits whose output is shown, for
         this job only: later messages (replacement, shutdown) show every rank.
+        ``ranks`` runs the job on those ranks only (the list still has one slot
+        per rank: None for the others); a collective called there raises at
+        once, since the other ranks are not taking part (see subset.py).
         """
         import cloudpickle
 
@@ -201,6 +221,10 @@ class Cluster:
             raise TypeError(f"run() needs a function to run on every rank, got {fn!r}")
         if job_timeout is not None and not job_timeout > 0:
             raise ValueError(f"job_timeout must be a positive number of seconds, got {job_timeout!r}")
+        targets = set(range(self.world_size)) if ranks is None else subset.check(ranks, self.world_size)
+        name = getattr(fn, "__name__", type(fn).__name__)
+        if targets != set(range(self.world_size)):
+            fn, args, kwargs = subset.guarded_call, (sorted(targets), fn, *args), kwargs
         # The job travels pickled twice: a rank that cannot unpickle the function
         # (say it refers to a module only the kernel can import) still knows the
         # job's id and answers with that error instead of crashing.
@@ -215,19 +239,23 @@ class Cluster:
             self._gens.stale = "The previous job was interrupted before every rank had finished it."
             ranks.begin_job()
             out.shown_ranks = None if show_ranks is None else set(show_ranks)
+            self.running = {"id": job_id, "name": name, "pending": set(targets),
+                            "ranks": set(targets), "start": time.monotonic()}
             try:
                 try:
-                    for rank, conn in enumerate(ranks.conns):
+                    for rank in sorted(targets):
                         try:
-                            conn.send_bytes(payload)
+                            ranks.conns[rank].send_bytes(payload)
                         except OSError:
-                            pass  # that rank died just now: _collect sees its end
-                        if rank == 0:
+                            pass  # that rank died just now: collect_answers sees its end
+                        if rank == min(targets):
                             lifecycle.point("run:sent")
-                    outcome = collect_answers(ranks, job_id, job_timeout, self._gens)
+                    outcome = collect_answers(ranks, job_id, job_timeout, self._gens,
+                                              self.running["pending"], self.on_display)
                     lifecycle.point("run:collected")
                     ranks.drain()  # what the job printed belongs to this call, not the next one
                 finally:
+                    self.running = None
                     out.show_overflow(ranks.end_job())
                     out.shown_ranks = None
             except KeyboardInterrupt:
@@ -236,28 +264,14 @@ class Cluster:
                     print(f"[rank {r}] was at:\n{text}", file=sys.stderr)
                 print(self._replace("Interrupted."), file=sys.stderr)
                 raise
-            return self._finish(ranks, *outcome)
+            return self._finish(ranks, *outcome, targets=targets)
 
-    def _finish(self, ranks, results, failures, groups, pending, why) -> list:
+    def _finish(self, ranks, results, failures, groups, pending, why, targets) -> list:
         if not failures and not pending:
             self._gens.stale = None
-            return [results[r] for r in range(self.world_size)]
-        for info in failures.values():
-            if info.get("exception"):
-                try:
-                    import cloudpickle
-
-                    info["exception_obj"] = cloudpickle.loads(info["exception"])
-                except Exception:
-                    pass
-        status = {}
-        for r in range(self.world_size):
-            if r in results:
-                status[r] = "returned normally"
-            elif r in failures:
-                status[r] = "died" if failures[r].get("died") else f"raised {failures[r]['type']}"
-            else:
-                status[r] = "still running: broken off (its stack is below)"
+            return [results.get(r) for r in range(self.world_size)]
+        diagnosis.unpickle_exceptions(failures)
+        status = diagnosis.rank_status(self.world_size, results, failures, targets)
         stacks = ranks.dump_stacks(pending) if pending else {}
         if why == "job_timeout":
             note = self._replace("The job ran past its job_timeout.")

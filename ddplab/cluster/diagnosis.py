@@ -117,3 +117,30 @@ def _count(state) -> str:
     if state is None:
         return "unknown"
     return " / ".join(f"{sum(seq)} on group {name}" for name, seq in sorted(state.items())) or "none"
+
+
+def unpickle_exceptions(failures: dict) -> None:
+    """Rebuild each rank's exception object where it travelled (for ``except`` clauses)."""
+    import cloudpickle
+
+    for info in failures.values():
+        if info.get("exception"):
+            try:
+                info["exception_obj"] = cloudpickle.loads(info["exception"])
+            except Exception:  # a class the kernel cannot import: the text still says it all
+                pass
+
+
+def rank_status(world_size: int, results: dict, failures: dict, targets: set) -> dict:
+    """One line per rank for an error message: what each rank did in the job."""
+    status = {}
+    for r in range(world_size):
+        if r in results:
+            status[r] = "returned normally"
+        elif r in failures:
+            status[r] = "died" if failures[r].get("died") else f"raised {failures[r]['type']}"
+        elif r not in targets:
+            status[r] = "not taking part (the job ran on other ranks only)"
+        else:
+            status[r] = "still running: broken off (its stack is below)"
+    return status

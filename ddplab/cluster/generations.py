@@ -35,6 +35,7 @@ class Generations:
         self.rendezvous = PrivateRendezvous()
         self.out = RankOutput()
         self._numbers = itertools.count()
+        self.number = 0  # of the ranks now running: 0 for the first, 1 after one replacement...
         self.ranks: RankProcesses | None = None
         self.closed = False
         self.stale: str | None = None  # why the ranks must be replaced before the next job
@@ -56,7 +57,7 @@ class Generations:
             self._discard(ranks)
             raise
         if all(m[0] == "ready" for m in first) and not self.closed:
-            self.ranks, self.stale = ranks, None
+            self.ranks, self.stale, self.number = ranks, None, number
             self.start_seconds = time.monotonic() - t0
             return self.start_seconds
         self._discard(ranks)

@@ -16,6 +16,9 @@ the pipes are read, so the kernel's memory and the time it spends printing
 stay bounded too, and it keeps looking at the clock (``job_timeout``) and
 for Interrupt however fast a rank writes.
 
+A line rewritten with carriage returns (a progress bar) is shown as one line
+per rank that changes in place (progress.py).
+
 Leaves out: per-rank log files, timestamps (torchrun's ``--tee`` and
 ``--log-dir`` do those).
 """
@@ -24,6 +27,8 @@ from __future__ import annotations
 import collections
 import queue
 import sys
+
+from .progress import LiveLines, visible
 
 HEAD_BYTES = 512 * 1024  # per rank per job, shown as it arrives
 TAIL_BYTES = 512 * 1024  # per rank per job, shown when the job ends
@@ -75,6 +80,7 @@ class RankOutput:
         self.queue: queue.Queue = queue.Queue()  # (rank, "stdout" | "stderr", bytes)
         self.partial: dict = {}
         self.shown_ranks = None  # None: every rank; else a set (``%%ddp --ranks``)
+        self.live = LiveLines()
 
     def show(self, final: bool = False) -> None:
         """Print everything queued so far; ``final`` also flushes unfinished lines."""
@@ -87,8 +93,9 @@ class RankOutput:
         if final:
             for (rank, stream), rest in list(self.partial.items()):
                 if rest:
-                    self.emit(rank, stream, rest + "\n")
+                    self.add(rank, stream, b"\n")
             self.partial.clear()
+            self.live.finish_all(lambda stream: sys.stderr if stream == "stderr" else sys.stdout)
 
     def show_overflow(self, overflow: dict) -> None:
         """After a job: say how much each rank's output lost, then show its tail."""
@@ -112,10 +119,19 @@ class RankOutput:
         self.show(final=True)
 
     def add(self, rank: int, stream: str, data: bytes) -> None:
-        text = self.partial.pop((rank, stream), "") + data.decode(errors="replace")
+        key = (rank, stream)
+        text = self.partial.pop(key, "") + data.decode(errors="replace")
         *lines, rest = text.split("\n")
+        lines = [visible(line) for line in lines]
+        if lines and self.live.is_open(key):  # a progress line ends: its final text, in place
+            out = sys.stderr if stream == "stderr" else sys.stdout
+            self.live.finish(key, f"[rank {rank}] {lines.pop(0)}", out)
+        if "\r" in rest:
+            rest = visible(rest)
+            if self.shown_ranks is None or rank in self.shown_ranks:
+                self.live.update(key, f"[rank {rank}] {rest}")
         if rest:
-            self.partial[(rank, stream)] = rest
+            self.partial[key] = rest
         if lines:
             self.emit(rank, stream, "".join(f"{line}\n" for line in lines))
 

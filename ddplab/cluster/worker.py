@@ -29,6 +29,10 @@ Why each odd line is here:
 - The rank leaves by ``os._exit`` once its last message is sent: gloo can
   abort a process in interpreter teardown (see PITFALLS.md), and a learner
   should never see "terminate called without an active exception".
+- ``channel`` and ``job_id`` let code running in a job send the kernel more
+  than its result (``%%ddp`` display objects); frames whose function sets
+  ``__tracebackhide__`` (IPython's and pytest's convention) are left out of
+  the traceback the kernel shows.
 
 Leaves out, compared with torchrun: elastic restarts, multi-node launch (use
 ``ddplab.init_from_env`` under torchrun for that), per-rank log files.
@@ -58,6 +62,10 @@ namespace: dict = {"__name__": "__ddp__"}
 # Set once the background pre-import is over; timing code waits for it so that
 # the import (which holds the GIL) does not land inside a measured step.
 preimported = threading.Event()
+# The kernel's end of this rank's socket, and the id of the job running now:
+# code in a job may send ("display", job_id, payload) through it.
+channel: "_Channel | None" = None
+job_id: int | None = None
 
 
 def _die_with_parent(parent_pid: int) -> None:
@@ -95,7 +103,9 @@ def error_info(exc: BaseException, skip_frames: int = 1, elapsed: float = 0.0) -
     import cloudpickle
     import torch.distributed as dist
 
-    frames = traceback.extract_tb(exc.__traceback__)[skip_frames:]
+    shown = [(f, n) for f, n in traceback.walk_tb(exc.__traceback__)][skip_frames:]
+    frames = traceback.StackSummary.extract(
+        (f, n) for f, n in shown if not f.f_locals.get("__tracebackhide__"))
     try:
         pickled = cloudpickle.dumps(exc)
     except Exception:
@@ -218,6 +228,7 @@ def _run_job(chan: _Channel, job_id: int, job: bytes) -> None:
     import cloudpickle
 
     t0 = time.monotonic()
+    globals()["job_id"] = job_id
     try:
         fn, args, kwargs = cloudpickle.loads(job)
         result = to_cpu(fn(*args, **kwargs))
@@ -275,6 +286,7 @@ def main() -> None:
     except OSError:
         pass
     chan = _Channel(cfg["fd"])
+    globals()["channel"] = chan
     try:
         _init_group(cfg)
     except BaseException as exc:  # noqa: BLE001
