@@ -6,11 +6,13 @@ torch's own DDP on recorded timelines. See README.md and labs/.
 """
 from .cluster import (Cluster, ClusterError, CollectiveTimeout, JobTimeout, RankDied, RankError,
                       launch)
+from .cluster.backend import backend_name, device
 from .torchrun import init_from_env
 
 __version__ = "0.1.0"
 __all__ = ["Cluster", "launch", "ClusterError", "CollectiveTimeout", "JobTimeout", "RankDied",
-           "RankError", "average_gradients", "OverlapDDP", "BucketedDDP", "init_from_env"]
+           "RankError", "average_gradients", "OverlapDDP", "BucketedDDP", "init_from_env",
+           "device", "backend_name"]
 
 
 def load_ipython_extension(ipython):
