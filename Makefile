@@ -6,7 +6,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.ddplab-installed
 
-.PHONY: lab test test-unit test-labs test-browser bench clean
+.PHONY: lab test test-unit test-labs test-browser test-gpu bench clean
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -30,9 +30,24 @@ test-labs: $(STAMP)
 test-browser: $(STAMP)
 	$(PY) -m pytest -q tests/test_browser.py
 
+# On a GPU machine: the CUDA build of torch already installed there (never the CPU pin),
+# the other dependencies from PyPI or from a folder of wheels (make test-gpu WHEELS=dir).
+# Runs the GPU tests (one GPU is enough: world size 1 over nccl) and every lab at the
+# world size the GPUs allow (DDPLAB_WORLD_SIZE; cells that need 2 ranks skip saying so).
+GPU_VENV ?= .venv-gpu
+GPU_PY   := $(GPU_VENV)/bin/python
+test-gpu:
+	test -x $(GPU_PY) || $(PYTHON) -m venv --system-site-packages $(GPU_VENV)
+	$(GPU_PY) -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 'make test-gpu needs a CUDA build of torch and a GPU; this torch is ' + torch.__version__)"
+	$(GPU_PY) -m pip install --quiet --no-build-isolation $(if $(WHEELS),--no-index --find-links $(WHEELS)) -e '.[test]'
+	$(GPU_PY) -m ddplab doctor --world-size 1 --world-size 2
+	$(GPU_PY) -m pytest -q -rs -m gpu tests
+	DDPLAB_WORLD_SIZE=$$($(GPU_PY) -c "import torch; print(min(2, torch.cuda.device_count()))") \
+	  $(GPU_PY) -m pytest -q --nbval-lax --nbval-current-env -p no:cacheprovider labs
+
 bench: $(STAMP)
 	$(PY) benchmarks/launch.py
 	$(PY) benchmarks/strategies.py
 
 clean:
-	rm -rf $(VENV) .pytest_cache build *.egg-info test-artifacts
+	rm -rf $(VENV) $(GPU_VENV) .pytest_cache build *.egg-info test-artifacts

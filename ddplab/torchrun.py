@@ -41,6 +41,7 @@ import os
 import sys
 from typing import NamedTuple
 
+from .cluster import backend as rank_backend
 from .cluster import resources
 
 REQUIRED = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
@@ -117,31 +118,23 @@ def init_from_env(backend: str = "auto", timeout: float | None = None,
     # Ranks share this machine's GPUs and cores, not the whole job's: count local ranks.
     backend = resources.choose_backend(backend, env["local_world_size"])
     torch.set_num_threads(threads or resources.threads_per_rank(env["local_world_size"]))
-    kwargs = {}
-    if backend == "nccl":
-        # Select this rank's GPU before any CUDA work, or every rank would
-        # create a context on GPU 0; device_id also binds the communicator to it.
-        torch.cuda.set_device(env["local_rank"])
-        kwargs["device_id"] = torch.device("cuda", env["local_rank"])
-    if timeout is not None:
-        kwargs["timeout"] = datetime.timedelta(seconds=timeout)
-    # env:// reads MASTER_ADDR/MASTER_PORT (and torchrun's agent store) itself.
-    dist.init_process_group(backend, init_method="env://", rank=env["rank"],
-                            world_size=env["world_size"], **kwargs)
+    # env:// reads MASTER_ADDR/MASTER_PORT (and torchrun's agent store) itself. Under
+    # nccl the group also serves CPU tensors through gloo (cluster/backend.py).
+    rank_backend.init_group(backend, rank=env["rank"], world_size=env["world_size"],
+                            timeout=timeout, gpu=env["local_rank"], init_method="env://")
     return current_env()
 
 
 def current_env() -> DistEnv:
     """Describe this rank once its group is up: under torchrun or in a Cluster rank."""
-    import torch
     import torch.distributed as dist
 
     rank, world_size = dist.get_rank(), dist.get_world_size()
-    backend = dist.get_backend()
     # A Cluster's ranks all live on the kernel's machine and have no LOCAL_RANK.
     local_rank = int(os.environ.get("LOCAL_RANK", rank))
     local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
-    device = torch.device("cuda", local_rank) if backend == "nccl" else torch.device("cpu")
+    # The rank's own GPU (the Cluster may give rank 0 GPU 2), or the CPU under gloo.
+    backend, device = rank_backend.backend_name(), rank_backend.device()
     return DistEnv(rank, local_rank, world_size, local_world_size, backend, device)
 
 

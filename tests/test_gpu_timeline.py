@@ -7,10 +7,11 @@ from ddplab.experiments import compare
 pytestmark = pytest.mark.gpu
 
 
-def test_nccl_timeline_uses_cuda_events_and_keeps_causality():
-    with ddplab.Cluster(2) as c:
+def test_nccl_timeline_uses_cuda_events_and_keeps_causality(gpu_world):
+    with ddplab.Cluster(gpu_world) as c:
         assert c.backend == "nccl"
         r = compare(c, "manual,bucketed,ddp", steps=3, n_params=2e6, bucket_cap_mb=1.0)
+    assert r.to_json()["backend"] == "nccl"
     for name in ("manual", "bucketed", "ddp"):
         tl = r.timelines[name]
         assert tl.backend == "nccl"

@@ -1,0 +1,87 @@
+"""One process group for CPU and GPU tensors, one name for its backend, one device.
+
+Teaches: a GPU rank still has CPU tensors to reduce: the clock alignment that
+lines the ranks' timelines up, a used-parameter map, counters, a learner's
+first ``all_reduce(torch.ones(1))``. A group started as ``"nccl"`` refuses all
+of them ("No backend type associated with device type cpu"). torch can give
+one group a backend per device type: ``"cpu:gloo,cuda:nccl"`` sends CPU
+tensors through gloo and CUDA tensors through NCCL, so the same rank code runs
+whatever the tensors' device. Gradients on the GPU still travel over NCCL:
+that is what the lab times and names ``nccl``.
+
+``dist.get_backend()`` then answers ``'cpu:gloo,cuda:nccl'``. Rank code asks
+``backend_name()`` instead, which says ``'nccl'`` or ``'gloo'``, and
+``device()`` for where its model and data belong (``cuda:N`` on an NCCL rank,
+``cpu`` on a gloo rank); the Cluster's ranks, ``%%ddp`` cells and scripts
+under torchrun all get the same answers. ``describe()`` gives the whole
+description, for the doctor and the ``process_group`` field of a result.
+
+Leaves out: other device types (xpu, mps), MPI and UCC backends, and a
+separate CPU group (which would need its own rendezvous and doubles every
+connection).
+
+References: torch.distributed.init_process_group (backend strings of the form
+"cpu:gloo,cuda:nccl", ``device_id``); PITFALLS.md "GPUs".
+"""
+from __future__ import annotations
+
+import datetime
+
+NCCL_GROUP = "cpu:gloo,cuda:nccl"
+
+
+def group_string(backend: str) -> str:
+    """What ``init_process_group`` is given for a Cluster or torchrun backend name."""
+    return NCCL_GROUP if backend == "nccl" else backend
+
+
+def name_of(description: str) -> str:
+    """``'cpu:gloo,cuda:nccl'`` -> ``'nccl'``: the backend that carries the gradients."""
+    parts = dict(p.split(":", 1) for p in description.split(",") if ":" in p)
+    if parts:
+        return parts.get("cuda", parts.get("cpu", description))
+    return description
+
+
+def init_group(backend: str, *, rank: int, world_size: int, timeout: float | None = None,
+               gpu: int | None = None, store=None, init_method: str | None = None) -> None:
+    """Join the group: select this rank's GPU first (nccl), then one group for both devices."""
+    import torch
+    import torch.distributed as dist
+
+    kwargs = {}
+    if backend == "nccl":
+        # Select the GPU before any CUDA work, or every rank would make a context on
+        # GPU 0; device_id also binds the NCCL communicator to it at once.
+        torch.cuda.set_device(gpu)
+        kwargs["device_id"] = torch.device("cuda", gpu)
+    if timeout is not None:
+        kwargs["timeout"] = datetime.timedelta(seconds=timeout)
+    if store is not None:
+        kwargs["store"] = store
+    if init_method is not None:
+        kwargs["init_method"] = init_method
+    dist.init_process_group(group_string(backend), rank=rank, world_size=world_size, **kwargs)
+
+
+def backend_name(group=None) -> str:
+    """``'nccl'`` or ``'gloo'`` for this rank's group (never the device-mapped string)."""
+    import torch.distributed as dist
+
+    return name_of(str(dist.get_backend(group)))
+
+
+def describe(group=None) -> str:
+    """The group's full backend description, e.g. ``'cpu:gloo,cuda:nccl'``."""
+    import torch.distributed as dist
+
+    return str(dist.get_backend(group))
+
+
+def device(group=None):
+    """Where this rank's model and data belong: its GPU under nccl, else the CPU."""
+    import torch
+
+    if backend_name(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")

@@ -1,0 +1,124 @@
+"""A class on one GPU server: which GPUs a Cluster takes, refuses, and warns about.
+
+GPU discovery is replaced by lists of fake GPUs, so these rules run on CPU machines.
+"""
+import pytest
+
+from ddplab.cluster import backend as rank_backend
+from ddplab.cluster.gpus import BUSY_MIB, GPU, discover, place, visible
+
+
+def _server(*users, used=None):
+    """A 4-GPU server; ``users[i]`` are the pids on GPU i (None: NVML cannot tell)."""
+    gpus = []
+    for i in range(4):
+        pids = users[i] if i < len(users) else ()
+        mem = (used or {}).get(i, 3)
+        gpus.append(GPU(i, "H100", f"GPU-{i}aaa", 81559, mem, pids))
+    return gpus
+
+
+def test_auto_takes_only_gpus_nobody_else_holds():
+    p = place(2, "auto", found=_server((4242,), (), (77,), ()))
+    assert p == place(2, "auto", found=_server((4242,), (), (77,), ()))
+    assert (p.backend, p.gpus, p.notes) == ("nccl", (1, 3), ())
+
+
+def test_auto_falls_back_to_gloo_and_says_who_holds_the_gpus():
+    p = place(3, "auto", found=_server((4242,), (), (77,), ()))
+    assert p.backend == "gloo" and p.gpus == ()
+    (why,) = p.notes
+    assert "2 of 4 are free" in why and "pid(s) 4242" in why and "pid(s) 77" in why
+    assert "gpus=[...]" in why
+
+
+def test_a_cpu_machine_picks_gloo_without_a_word():
+    assert place(2, "auto", found=[]) == place(2, "gloo", found=[])
+    assert place(2, "auto", found=[]).notes == ()
+
+
+def test_own_ranks_do_not_count_as_other_users():
+    found = _server((10, 11), (12,))
+    assert place(2, "auto", found=found, own_pids={10, 11, 12}).gpus == (0, 1)
+
+
+def test_without_process_lists_memory_decides_and_the_reason_says_so():
+    found = [GPU(0, used_mib=BUSY_MIB + 500, total_mib=80000, pids=None),
+             GPU(1, used_mib=2, total_mib=80000, pids=None)]
+    assert place(1, "auto", found=found).gpus == (1,)
+    p = place(2, "auto", found=found)
+    assert p.backend == "gloo" and "judged by memory" in p.notes[0]
+
+
+def test_named_gpus_are_taken_even_when_busy_with_a_warning():
+    p = place(2, "auto", gpus=[2, 3], found=_server((), (), (99,), ()))
+    assert (p.backend, p.gpus) == ("nccl", (2, 3))
+    assert len(p.notes) == 1 and "GPU 2 is used by pid(s) 99" in p.notes[0]
+
+
+@pytest.mark.parametrize("gpus, match", [
+    ([0], "names 1 GPU"),
+    ([1, 1], "names a GPU twice"),
+    ([0, 7], "no GPU 7 here"),
+    ("0,1", "list of GPU indices"),
+    ([0, True], "list of GPU indices"),
+])
+def test_bad_gpu_lists_say_what_to_do(gpus, match):
+    with pytest.raises(ValueError, match=match):
+        place(2, "auto", gpus=gpus, found=_server())
+
+
+def test_gpus_with_gloo_is_refused():
+    with pytest.raises(ValueError, match="backend='gloo'"):
+        place(2, "gloo", gpus=[0, 1], found=_server())
+
+
+def test_nccl_prefers_free_gpus_then_warns_about_busy_ones():
+    p = place(3, "nccl", found=_server((5,), (), (6,), ()))
+    assert p.gpus == (0, 1, 3) and len(p.notes) == 1 and "pid(s) 5" in p.notes[0]
+    with pytest.raises(ValueError, match="world_size<=4"):
+        place(5, "nccl", found=_server())
+    with pytest.raises(ValueError, match="no GPU is visible"):
+        place(1, "nccl", found=[])
+
+
+def test_cuda_visible_devices_renumbers_by_index_or_uuid_and_stops_at_a_bad_entry():
+    phys = _server()
+    assert [g.uuid for g in visible(phys, "2,0")] == ["GPU-2aaa", "GPU-0aaa"]
+    assert [g.index for g in visible(phys, "2,0")] == [0, 1]
+    assert [g.uuid for g in visible(phys, "GPU-3,1")] == ["GPU-3aaa", "GPU-1aaa"]
+    assert [g.uuid for g in visible(phys, "1,9,2")] == ["GPU-1aaa"]  # CUDA stops at GPU 9
+    assert visible(phys, "") == [] and visible(phys, None) == phys
+
+
+def test_discover_answers_on_this_machine_without_touching_cuda():
+    import torch
+
+    found = discover()
+    assert all(isinstance(g, GPU) for g in found)
+    assert not torch.cuda.is_initialized()
+
+
+def test_backend_names_read_the_device_mapped_group():
+    assert rank_backend.group_string("nccl") == "cpu:gloo,cuda:nccl"
+    assert rank_backend.group_string("gloo") == "gloo"
+    assert rank_backend.name_of("cpu:gloo,cuda:nccl") == "nccl"
+    assert rank_backend.name_of("cuda:nccl,cpu:gloo") == "nccl"
+    assert rank_backend.name_of("cpu:gloo") == "gloo"
+    assert rank_backend.name_of("gloo") == "gloo" and rank_backend.name_of("nccl") == "nccl"
+
+
+def test_doctor_lists_each_gpu_with_free_memory_and_users(monkeypatch, capsys):
+    from ddplab import doctor
+    from ddplab.cluster import gpus
+
+    fake = _server((4242,), (), (), ()) + [GPU(4, "H100", "GPU-4", 81559, 900, None)]
+    monkeypatch.setattr(gpus, "discover", lambda: fake)
+    doctor.main((2, 5))
+    out = capsys.readouterr().out
+    assert "GPU 0: H100, 81556 of 81559 MiB free, used by pid(s) 4242  <- busy" in out
+    assert "GPU 1: H100, 81556 of 81559 MiB free, no processes" in out
+    assert "GPU 4: H100, 80659 of 81559 MiB free, users unknown  <- busy" in out
+    assert "world_size=2: nccl on GPUs [1, 2]" in out
+    assert "world_size=5: gloo" in out and "3 of 5 are free" in out
+    assert "cpu:gloo,cuda:nccl" in out and "ddplab rank(s) running here" in out
