@@ -52,7 +52,7 @@ def report(world_sizes=(1, 2, 4, 8), found=None) -> dict:
         placed = gpu_info.place(ws, "auto", found=found)
         auto[ws] = {"backend": placed.backend, "gpus": list(placed.gpus), "notes": list(placed.notes),
                     "threads_per_rank": resources.threads_per_rank(ws),
-                    "oversubscribed": ws > cpus and placed.backend == "gloo"}
+                    "oversubscribed": resources.oversubscribed(ws, placed.backend, cpus)}
     return {
         "python": platform.python_version(),
         "torch": torch.__version__,

@@ -50,6 +50,7 @@ import time
 import weakref
 
 from . import diagnosis, lifecycle, resources, subset
+from . import gpus as gpu_placement
 from .errors import ClusterError, CollectiveTimeout, JobTimeout, RankDied, RankError
 from .answers import GRACE_S, collect_answers  # noqa: F401 - GRACE_S kept importable here
 from .generations import Generations
@@ -62,18 +63,17 @@ class Cluster:
     """``world_size`` long-lived ranks; see the module docstring."""
 
     def __init__(self, world_size: int = 2, backend: str = "auto", timeout: float = 60.0,
-                 env: dict | None = None):
+                 env: dict | None = None, *, gpus=None, threads: int | None = None):
         self.world_size = resources.check_world_size(world_size)
-        self.backend = resources.choose_backend(backend, world_size)
-        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
-            raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
-        if env is not None and not (isinstance(env, dict) and all(
-                isinstance(k, str) and isinstance(v, str) for k, v in env.items())):
-            raise ValueError("env must be a dict of str -> str, e.g. {'TORCH_DISTRIBUTED_DEBUG': 'DETAIL'}")
-        self.timeout = float(timeout)
-        self.env = dict(env or {})
-        self.threads_per_rank = resources.threads_per_rank(world_size)
-        self.oversubscribed = world_size > resources.usable_cpus()
+        # Which GPUs, if any: only free ones under "auto", so that learners sharing a
+        # server never land on each other's GPUs in silence (gpus.py).
+        placed = gpu_placement.place(world_size, resources.check_backend(backend), gpus)
+        self.backend, self.gpus = placed.backend, placed.gpus
+        for note in placed.notes:
+            print(note, file=sys.stderr)
+        self.timeout, self.env = resources.check_timeout(timeout), resources.check_env(env)
+        self.threads_per_rank = resources.check_threads(threads, world_size)
+        self.oversubscribed = resources.oversubscribed(world_size, self.backend)
         self._job_ids = itertools.count(1)
         self._lock = threading.Lock()  # one job (or shutdown) at a time, from any thread
         self.exit_codes: list[int] | None = None  # set by shutdown(); 0 = left cleanly
@@ -82,7 +82,7 @@ class Cluster:
         self.on_display = None
         self.running: dict | None = None
         self._gens = Generations(self.world_size, self.backend, self.timeout,
-                                 self.threads_per_rank, self.env)
+                                 self.threads_per_rank, self.env, self.gpus)
         # Garbage collection kills the ranks at once, never a slow clean shutdown.
         self._finalizer = weakref.finalize(self, self._gens.abandon)
         self._finalizer.atexit = False

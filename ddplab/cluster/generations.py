@@ -29,8 +29,9 @@ from .rendezvous import PrivateRendezvous
 
 
 class Generations:
-    def __init__(self, world_size: int, backend: str, timeout: float, threads: int, env: dict):
-        self.world_size, self.backend, self.timeout = world_size, backend, timeout
+    def __init__(self, world_size: int, backend: str, timeout: float, threads: int, env: dict,
+                 gpus: tuple = ()):
+        self.world_size, self.backend, self.timeout, self.gpus = world_size, backend, timeout, gpus
         self.threads, self.env = threads, env
         self.rendezvous = PrivateRendezvous()
         self.out = RankOutput()
@@ -49,7 +50,8 @@ class Generations:
         t0 = time.monotonic()
         number = next(self._numbers)
         ranks = RankProcesses(self.world_size, self.backend, number, self.rendezvous, self.timeout,
-                              self.threads, self.env, self.out.queue, lifecycle.lifeline_fd())
+                              self.threads, self.env, self.out.queue, lifecycle.lifeline_fd(),
+                              self.gpus)
         try:
             lifecycle.point("start:spawned")
             first = ranks.wait_ready(deadline=t0 + max(60.0, self.timeout) + 30.0)

@@ -185,7 +185,7 @@ def place(world_size: int, backend: str, gpus=None, found: list[GPU] | None = No
         return Placement("gloo", (), (why,))
     # backend == "nccl": free GPUs first, then busy ones with a warning.
     if len(found) < world_size:
-        raise ValueError(_too_few(world_size, len(found)))
+        raise ValueError(too_few(world_size, len(found)))
     chosen = free[:world_size] + [g for g in found if g not in free][:world_size - len(free)]
     warnings = tuple(f"{g.busy_reason(own_pids)}: your ranks will share it." for g in chosen
                      if g.busy_reason(own_pids))
@@ -212,7 +212,7 @@ def _check_named(gpus, world_size: int, by_index: dict) -> tuple[int, ...]:
     return tuple(gpus)
 
 
-def _too_few(world_size: int, n: int) -> str:
+def too_few(world_size: int, n: int) -> str:
     cvd = os.environ.get("CUDA_VISIBLE_DEVICES")
     seen = f" (CUDA_VISIBLE_DEVICES={cvd!r})" if cvd is not None else ""
     if n == 0:

@@ -43,7 +43,8 @@ class RankProcesses:
     """``world_size`` rank processes of one generation, their sockets and pipes."""
 
     def __init__(self, world_size: int, backend: str, generation: int, rendezvous, timeout: float,
-                 threads: int, env: dict | None, output: queue.Queue, lifeline_fd: int):
+                 threads: int, env: dict | None, output: queue.Queue, lifeline_fd: int,
+                 gpus: tuple = ()):
         self.world_size = world_size
         self.generation = generation
         self.stacks_paths = [rendezvous.stacks_path(generation, r) for r in range(world_size)]
@@ -58,6 +59,7 @@ class RankProcesses:
                 "rank": rank, "world_size": world_size, "backend": backend,
                 "store_path": rendezvous.store_path(generation), "timeout": timeout,
                 "stacks_path": self.stacks_paths[rank], "threads": threads,
+                "gpu": gpus[rank] if gpus else None,
                 "fd": theirs.fileno(), "lifeline_fd": lifeline_fd, "parent_pid": os.getpid(),
                 "sys_path": [p if p else os.getcwd() for p in sys.path], "cwd": os.getcwd(),
             }
@@ -71,6 +73,8 @@ class RankProcesses:
                     [package_root] + [p for p in child_env.get("PYTHONPATH", "").split(os.pathsep) if p]
                 ),
             })
+            if gpus:  # number GPUs as nvidia-smi does, which is how the kernel chose them
+                child_env.setdefault("CUDA_DEVICE_ORDER", "PCI_BUS_ID")
             # gloo listens on the interface it is given: loopback keeps it off the network.
             child_env.setdefault("GLOO_SOCKET_IFNAME", _loopback_name())
             try:

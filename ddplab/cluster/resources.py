@@ -83,18 +83,14 @@ def check_world_size(world_size) -> int:
     return world_size
 
 
-def choose_backend(backend: str, world_size: int, gpus: int | None = None) -> str:
-    """Resolve ``backend`` for ``world_size`` ranks; raise ValueError saying what to do."""
-    check_world_size(world_size)
+def check_backend(backend) -> str:
+    """'auto', 'gloo' or 'nccl' (lower case); ValueError saying what to use instead."""
     if not isinstance(backend, str) or backend.lower() not in BACKENDS:
         raise ValueError(
             f"unknown backend {backend!r}: use 'auto' (nccl when every rank can have its own "
             "GPU, else gloo), 'gloo' (CPU) or 'nccl' (one GPU per rank)."
         )
     backend = backend.lower()
-    gpus = visible_gpus() if gpus is None else gpus
-    if backend == "auto":
-        return "nccl" if gpus >= world_size else "gloo"
     if backend == "nccl":
         import torch.distributed as dist
 
@@ -103,15 +99,49 @@ def choose_backend(backend: str, world_size: int, gpus: int | None = None) -> st
                 "backend='nccl' but this torch build has no NCCL (a CPU build?). "
                 "Use backend='gloo' or backend='auto'."
             )
+    return backend
+
+
+def oversubscribed(world_size: int, backend: str, cpus: int | None = None) -> bool:
+    """More CPU ranks than usable CPUs: their timings describe a crowded machine."""
+    return backend == "gloo" and world_size > (usable_cpus() if cpus is None else cpus)
+
+
+def check_timeout(timeout) -> float:
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
+        raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
+    return float(timeout)
+
+
+def check_env(env) -> dict:
+    if env is not None and not (isinstance(env, dict) and all(
+            isinstance(k, str) and isinstance(v, str) for k, v in env.items())):
+        raise ValueError("env must be a dict of str -> str, e.g. {'TORCH_DISTRIBUTED_DEBUG': 'DETAIL'}")
+    return dict(env or {})
+
+
+def check_threads(threads, world_size: int) -> int:
+    """Intra-op threads per rank: ``threads`` if given (a positive int), else the fair share."""
+    if threads is None:
+        return threads_per_rank(world_size)
+    if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
+        raise ValueError(f"threads must be a positive integer (intra-op threads per rank), got "
+                         f"{threads!r}. On a server shared by a class, threads=1 is fair.")
+    return threads
+
+
+def choose_backend(backend: str, world_size: int, gpus: int | None = None) -> str:
+    """Resolve ``backend`` for ``world_size`` ranks by counting GPUs (torchrun's rule:
+    the GPUs belong to the job); raise ValueError saying what to do. A Cluster, which
+    shares a server with other learners, decides with ``gpus.place`` instead."""
+    check_world_size(world_size)
+    backend = check_backend(backend)
+    gpus = visible_gpus() if gpus is None else gpus
+    if backend == "auto":
+        return "nccl" if gpus >= world_size else "gloo"
+    if backend == "nccl":
         if gpus < world_size:
-            cvd = os.environ.get("CUDA_VISIBLE_DEVICES")
-            seen = f" (CUDA_VISIBLE_DEVICES={cvd!r})" if cvd is not None else ""
-            raise ValueError(
-                f"backend='nccl' needs one GPU per rank: world_size={world_size} but "
-                f"{gpus} GPU(s) are visible{seen}. Use world_size<={gpus} "
-                "or backend='gloo' (CPU), or backend='auto' to choose for you."
-                if gpus
-                else f"backend='nccl' needs one GPU per rank but no GPU is visible{seen}. "
-                "Use backend='gloo' (CPU) or backend='auto'."
-            )
+            from .gpus import too_few
+
+            raise ValueError(too_few(world_size, gpus))
     return backend

@@ -178,21 +178,15 @@ def _init_group(cfg: dict) -> None:
     import torch
     import torch.distributed as dist
 
+    from .backend import init_group
+
     torch.set_num_threads(cfg["threads"])
-    timeout = datetime.timedelta(seconds=cfg["timeout"])
-    device_id = None
-    if cfg["backend"] == "nccl":
-        # Each rank owns one GPU and must select it before any CUDA work.
-        torch.cuda.set_device(cfg["rank"])
-        device_id = torch.device("cuda", cfg["rank"])
     # A fresh file in a mode-0700 directory: no listener, nothing another user can open.
     store = dist.FileStore(cfg["store_path"], cfg["world_size"])
-    store.set_timeout(timeout)
-    kwargs = {"device_id": device_id} if device_id is not None else {}
-    dist.init_process_group(
-        cfg["backend"], store=store, rank=cfg["rank"], world_size=cfg["world_size"],
-        timeout=timeout, **kwargs,
-    )
+    store.set_timeout(datetime.timedelta(seconds=cfg["timeout"]))
+    # nccl ranks: the GPU the kernel chose, and one group for CPU and CUDA tensors (backend.py).
+    init_group(cfg["backend"], rank=cfg["rank"], world_size=cfg["world_size"],
+               timeout=cfg["timeout"], gpu=cfg.get("gpu"), store=store)
 
 
 def _preimport() -> None:
