@@ -6,7 +6,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.ddplab-installed
 
-.PHONY: lab test test-unit test-labs test-browser test-gpu bench clean
+.PHONY: lab test test-unit test-labs test-browser test-gpu handouts bench clean
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -25,7 +25,8 @@ test-unit: $(STAMP)
 	$(PY) -m pytest -q tests --ignore=tests/test_browser.py
 
 test-labs: $(STAMP)
-	$(PY) -m pytest -q --nbval-lax --nbval-current-env -p no:cacheprovider labs
+	$(PY) -m pytest -q --nbval-lax --nbval-current-env --nbval-sanitize-with labs/nbval-sanitize.cfg \
+	  -p no:cacheprovider labs
 
 test-browser: $(STAMP)
 	$(PY) -m pytest -q tests/test_browser.py
@@ -44,6 +45,11 @@ test-gpu:
 	$(GPU_PY) -m pytest -q -rs -m gpu tests
 	DDPLAB_WORLD_SIZE=$$($(GPU_PY) -c "import torch; print(min(2, torch.cuda.device_count()))") \
 	  $(GPU_PY) -m pytest -q --nbval-lax --nbval-current-env -p no:cacheprovider labs
+
+# Every solution notebook executed on live ranks and saved as static HTML with its figures
+# (build/handouts/, not committed): for slides, and for learners who cannot run the lab.
+handouts: $(STAMP)
+	$(PY) -m ddplab.handouts -o build/handouts
 
 bench: $(STAMP)
 	$(PY) benchmarks/launch.py
