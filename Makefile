@@ -1,12 +1,12 @@
 # ddplab: two commands.
-#   make lab    environment + JupyterLab on labs/ (gloo on CPU; GPUs when present)
+#   make lab    environment + JupyterLab opened on labs/exercises/ (gloo on CPU; GPUs when present)
 #   make test   every test, building .venv from scratch when it is missing
 PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.ddplab-installed
 
-.PHONY: lab test test-unit test-labs test-browser bench clean
+.PHONY: lab test test-unit test-labs test-browser bench clean exercises
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -15,8 +15,13 @@ $(STAMP): pyproject.toml constraints.txt
 	$(PY) -m pip install --quiet -c constraints.txt -e '.[lab,test,browser]'
 	touch $(STAMP)
 
+# Serves labs/ (solutions one folder up) and opens on the exercises.
 lab: $(STAMP)
-	$(VENV)/bin/jupyter lab labs/
+	$(VENV)/bin/jupyter lab --ServerApp.root_dir=labs --LabApp.default_url=/lab/tree/exercises
+
+# labs/exercises/ is generated from labs/ (cells tagged "solution" are stubbed).
+exercises: $(STAMP)
+	$(PY) -m ddplab.exercises
 
 # unit tests (<= 5 min), the labs executed by nbval (<= 10 min), a real browser (<= 2 min)
 test: test-unit test-labs test-browser
@@ -25,7 +30,7 @@ test-unit: $(STAMP)
 	$(PY) -m pytest -q tests --ignore=tests/test_browser.py
 
 test-labs: $(STAMP)
-	$(PY) -m pytest -q --nbval-lax --nbval-current-env -p no:cacheprovider labs
+	$(PY) -m pytest -q --nbval-lax --nbval-current-env -p no:cacheprovider --ignore=labs/exercises labs
 
 test-browser: $(STAMP)
 	$(PY) -m pytest -q tests/test_browser.py

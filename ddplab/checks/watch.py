@@ -215,7 +215,7 @@ class Watch:
             when = f"called {event['phase_']}"
         step = "" if event["step"] is None else f" in step {event['step']}"
         n = sum(1 for e in self.events if e["what"] == "launch" and e["step"] == event["step"])
-        return (f"waiting for {event['op']} on {on} ({when}){step}; this rank had started "
+        return (f"was waiting for {event['op']} on {on} ({when}){step}; this rank had started "
                 f"{n} collective(s) in that step")
 
     def _record(self, event, work):

@@ -43,6 +43,12 @@ def _data(rank, step, batch=16, dtype=torch.float64):
 def _wrap(strategy, model, bucket_cap_mb=0.001, recorder=None):
     from torch.nn.parallel import DistributedDataParallel as DDP
 
+    if isinstance(strategy, type):  # a wrapper class: Cls(module)
+        strategy = (strategy,)
+    if isinstance(strategy, tuple):  # (Cls, *args): a wrapper class, yours or ddplab's
+        cls, *args = strategy
+        wrapped = cls(model, *args)
+        return wrapped, getattr(wrapped, "finish_gradient_synchronization", None)
     if callable(strategy):  # the learner's own function, called after backward
         return model, (lambda: strategy(model))
     if strategy == "bucketed":
@@ -60,7 +66,8 @@ def _wrap(strategy, model, bucket_cap_mb=0.001, recorder=None):
 def single_process_gap_on_rank(strategy="bucketed", steps=3, lr=0.1, sleep_on_rank=None):
     """Train ``strategy`` on this rank's data and, beside it, one model on ALL ranks' data.
 
-    ``strategy``: a name, or your own function ``f(model)`` called after backward.
+    ``strategy``: a name, your own function ``f(model)`` called after backward, or a
+    wrapper class ``Cls`` (``Cls(model)``) or ``(Cls, *args)`` (``Cls(model, *args)``).
     ``sleep_on_rank``: (rank, seconds) makes that rank a straggler before each backward.
     """
     import time
