@@ -27,13 +27,13 @@ exercises: $(STAMP)
 test: test-unit test-labs test-browser
 
 test-unit: $(STAMP)
-	$(PY) -m pytest -q tests --ignore=tests/test_browser.py
+	$(PY) -m pytest -q tests --ignore-glob='tests/test_browser*.py'
 
 test-labs: $(STAMP)
 	$(PY) -m pytest -q --nbval-lax --nbval-current-env -p no:cacheprovider --ignore=labs/exercises labs
 
 test-browser: $(STAMP)
-	$(PY) -m pytest -q tests/test_browser.py
+	$(PY) -m pytest -q tests/test_browser.py tests/test_browser_exercises.py
 
 bench: $(STAMP)
 	$(PY) benchmarks/launch.py

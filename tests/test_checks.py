@@ -188,6 +188,22 @@ class BucketsBroadcastACopy(S.MyBucketedDDP):
             dist.broadcast = real
 
 
+class BucketsNeverReset(S.MyBucketedDDP):
+    def finish_gradient_synchronization(self):
+        for bucket, flat, work in self.in_flight:
+            work.wait()
+            offset = 0
+            for p in bucket:
+                p.grad.copy_(flat[offset:offset + p.numel()].view_as(p))
+                offset += p.numel()
+        self.in_flight.clear()  # ... but the counters keep last step's values
+
+
+class OverlapNeverWaits(S.MyOverlapDDP):
+    def finish_gradient_synchronization(self):
+        self.works.clear()
+
+
 class BucketsWaitAtLaunch(S.MyBucketedDDP):
     def grad_ready(self, param):
         super().grad_ready(param)
@@ -233,6 +249,14 @@ def acc_everything_in_no_sync(model, optimizer, micro_batches):
         for x, y in micro_batches:
             (loss_fn(model(x), y) / len(micro_batches)).backward()
     optimizer.step()
+
+
+def acc_steps_every_micro_batch(model, optimizer, micro_batches):
+    n = len(micro_batches)
+    for i, (x, y) in enumerate(micro_batches):
+        with (contextlib.nullcontext() if i == n - 1 else model.no_sync()):
+            (loss_fn(model(x), y) / n).backward()
+        optimizer.step()
 
 
 def acc_stub(model, optimizer, micro_batches):
@@ -303,6 +327,19 @@ def test_a_learner_error_is_shown_with_the_learners_line(cluster):
     failed = failure(checks.check_average_gradients, cluster, avg_forgets_frozen)
     assert failed.mistake == M.RAISED
     assert "dist.all_reduce(p.grad)" in str(failed)  # the learner's own line, not ddplab's
+    assert "frozen parameter" in str(failed)
+
+
+def test_learner_drafts_get_hints_that_point_at_the_cause(cluster):
+    """Mistakes met while working through the exercises as a learner."""
+    text = str(failure(checks.check_average_gradients, cluster, avg_reduces_a_copy))
+    assert "temporary copy" in text
+    failed = failure(checks.check_bucketed_ddp, cluster, BucketsNeverReset)
+    assert failed.mistake == M.NO_SYNC_AT_ALL and "in step 1" in str(failed)
+    assert "not reset" in str(failed)
+    assert failure(checks.check_overlap_ddp, cluster, OverlapNeverWaits).mistake == M.NEVER_WAITED
+    failed = failure(checks.check_no_sync, cluster, acc_steps_every_micro_batch)
+    assert "optimizer.step() ran 4 time(s)" in str(failed)
 
 
 def test_a_hang_is_stopped_and_says_what_it_waited_for(cluster):

@@ -86,6 +86,11 @@ class CheckFailed(AssertionError):
     def __reduce__(self):
         return (CheckFailed, (self.mistake, self.detail, self.frames))
 
+    def _render_traceback_(self):
+        # IPython shows this instead of a traceback: the verdict is about the learner's
+        # code, and the grader's own frames would only hide it.
+        return [f"\x1b[0;31mCheckFailed\x1b[0m: {self}"]
+
 
 def _grad_classes(per_rank, step):
     return [c for facts in per_rank for c in facts["steps"][step]["grads"].values()]
@@ -112,16 +117,17 @@ def diagnose(exercise: str, per_rank: list, cfg: dict) -> None:
         classes = _grad_classes(per_rank, step)
         if exercise == "no_sync":
             _no_sync_timing(per_rank, step, cfg)
+        never = [x for x in launches if not x["waited"]]
+        if never:
+            raise CheckFailed(NEVER_WAITED, f"in step {step}: {never[0]['description']}.")
         if classes and all(c["class"] in ("local", "local_scaled") for c in classes):
-            raise CheckFailed(NO_SYNC_AT_ALL, f"in step {step} ({len(launches)} collective(s) seen "
-                                              "on all ranks together).")
+            raise CheckFailed(NO_SYNC_AT_ALL, _nothing_synced(step, launches))
         if exercise in ("overlap", "bucketed"):
             _overlap_timing(per_rank, step)
         if exercise == "bucketed":
             _bucket_order(per_rank, step, cfg)
-        never = [x for x in launches if not x["waited"]]
-        if never:
-            raise CheckFailed(NEVER_WAITED, f"in step {step}: {never[0]['description']}.")
+        if exercise == "no_sync":
+            _optimizer_steps(per_rank, step)
         _values(exercise, per_rank, step, classes, world, cfg)
         gap = max(f["steps"][step]["gap_one_process"] for f in per_rank)
         if gap > 1e-9:
@@ -147,6 +153,26 @@ def _values(exercise, per_rank, step, classes, world, cfg):
     raise CheckFailed(WRONG, f"gradients after your synchronization differ from one-process "
                              f"training's {where}: " + ", ".join(
                                  f"{c['param']}: {c['class']}" for c in bad[:6]))
+
+
+def _nothing_synced(step, launches) -> str:
+    text = f"in step {step}"
+    if step > 0:
+        text += (" (step 0 was synchronized, so something that worked once did not happen again: "
+                 "is some state, a counter or a list, not reset at the end of a step?)")
+    own = [x for x in launches if x["kind"] == "own"]
+    if own:
+        text += (f"; {len(own)} collective(s) ran on tensors that are not the gradients, and the "
+                 "result never reached p.grad: dist.all_reduce(p.grad / world) or "
+                 "dist.all_reduce(p.grad.clone()) reduces a temporary copy")
+    return text + "."
+
+
+def _optimizer_steps(per_rank, step):
+    n = per_rank[0]["steps"][step]["optimizer_steps"]
+    if n != 1:
+        raise CheckFailed(WRONG, f"optimizer.step() ran {n} time(s) in one call of your function "
+                                 f"(step {step}): step once, after the last micro-batch's backward.")
 
 
 def _overlap_timing(per_rank, step):

@@ -148,9 +148,14 @@ class Watch:
             call = sig.bind(*args, **kwargs).arguments
             if call.get("group") is None or call.get("group") is dist.group.WORLD:
                 call["group"] = self.group
+            tensor = _first_tensor(call)
+            if tensor is None and name != "barrier":
+                raise TypeError(f"dist.{name} got no tensor (None?). A frozen parameter "
+                                "(requires_grad=False) has no gradient: p.grad is None. Skip "
+                                "parameters whose .grad is None.")
             wants_work = bool(call.get("async_op", False))
             call["async_op"] = True
-            event = self._launch(name, _first_tensor(call))
+            event = self._launch(name, tensor)
             work = self._blocking(event, orig, **call)
             if self.recorder is not None and event["phase_"] in ("backward", "after backward"):
                 self._record(event, work)
