@@ -19,7 +19,7 @@ import shutil
 import nbformat
 import pytest
 
-from _browser import (ROOT, chromium, jupyterlab, notebook_errors, open_notebook,
+from _browser import (ARTIFACTS, ROOT, chromium, jupyterlab, notebook_errors, open_notebook,
                       require_browser, run_all_cells, save_screenshots)
 from ddplab import exercises
 
@@ -76,6 +76,8 @@ def test_an_exercise_filled_in_passes_its_graders_and_untouched_fails_them(tmp_p
                 assert page.locator(CELLS).nth(i).locator(".js-plotly-plot .barlayer").count() >= 1
             for i in users:
                 assert "ddplab's own" not in cell_text(page, i)
+            ARTIFACTS.mkdir(exist_ok=True)
+            page.locator(CELLS).nth(graders[-1]).screenshot(path=str(ARTIFACTS / "browser-exercise-passed.png"))
             saved = nbformat.read(str(root / "filled.ipynb"), as_version=4)
             assert [saved.cells[i].source for i in stubs] == [solutions[ex.cells[i].id] for i in stubs]
 
