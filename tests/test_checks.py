@@ -373,3 +373,27 @@ def test_bad_arguments_say_what_to_pass(cluster):
         checks.check_average_gradients(cluster, "my_average_gradients")
     with pytest.raises(ValueError, match="micro_batches"):
         checks.check_no_sync(cluster, S.my_accumulation_step, micro_batches=1)
+
+
+class OverlapWaitsInCallback(S.MyOverlapDDP):
+    """Waits at the end of backward from an autograd callback, as torch DDP does (no finish method)."""
+    finish_gradient_synchronization = None
+
+    def grad_ready(self, param):
+        if not self.works:
+            torch.autograd.Variable._execution_engine.queue_callback(self.wait_all)
+        super().grad_ready(param)
+
+    def wait_all(self):
+        for work in self.works:
+            work.wait()
+        self.works.clear()
+
+
+@pytest.mark.parametrize("check, code", [(checks.check_average_gradients, ddplab.average_gradients),
+                                         (checks.check_overlap_ddp, ddplab.OverlapDDP),
+                                         (checks.check_bucketed_ddp, ddplab.BucketedDDP),
+                                         (checks.check_overlap_ddp, OverlapWaitsInCallback)],
+                         ids=["average_gradients", "OverlapDDP", "BucketedDDP", "callback-wait"])
+def test_ddplabs_own_strategies_and_a_torch_style_wait_pass(cluster, check, code):
+    check(cluster, code, draw=False)
