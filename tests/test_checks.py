@@ -353,10 +353,10 @@ def test_a_hang_is_stopped_and_says_what_it_waited_for(cluster):
 
 
 def test_a_python_hang_is_stopped_with_where_it_waited(cluster):
-    failed = failure(checks.check_average_gradients, cluster, avg_waits_forever, timeout=2)
+    # both ranks sit in Python, not in a collective: the job limit (2 * 1 + 10 s) stops them
+    failed = failure(checks.check_average_gradients, cluster, avg_waits_forever, timeout=1)
     assert failed.mistake == M.HUNG
     assert "avg_waits_forever" in str(failed) and "Python stack" in str(failed)
-    checks.check_average_gradients(cluster, S.my_average_gradients, draw=False)
 
 
 def test_a_failed_or_skipped_exercise_falls_back_to_ddplab(cluster, capsys):
