@@ -64,8 +64,9 @@ def test_untouched_exercises_fail_their_graders_with_not_implemented_yet():
             nb = nbformat.read(str(ex), as_version=4)
             code = [c for c in nb.cells if c.cell_type == "code"]
             # the set-up cell's imports; its Cluster is the one above, shared by the notebooks
-            assert "cluster = ddplab.Cluster(world_size=2)" in code[0].source
-            setup = execute(kc, code[0].source.replace("cluster = ddplab.Cluster(world_size=2)", ""))
+            # (a set-up cell written differently simply runs as it is)
+            setup = execute(kc, code[0].source.replace("cluster = ddplab.Cluster(world_size=2)", ""),
+                            timeout=120)
             assert setup["status"] == "ok", (ex.name, setup["traceback"])
             for cell in code:
                 if "solution" in exercises.tags(cell):
