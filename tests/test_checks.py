@@ -347,7 +347,9 @@ def test_a_hang_is_stopped_and_says_what_it_waited_for(cluster):
     text = str(failed)
     assert failed.mistake == M.HUNG
     assert "rank 0 was waiting for all_reduce on the gradient of" in text
-    assert "rank 1 finished step 0" in text
+    # rank 1 reports from its own timeout, normally within the cluster's grace period; on a
+    # badly loaded machine it may be broken off first, and is then listed as still running
+    assert "rank 1 finished step 0" in text or "rank 1: still running" in text
     # the cluster is usable afterwards, and the solution still passes
     checks.check_average_gradients(cluster, S.my_average_gradients, draw=False)
 
