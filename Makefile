@@ -1,12 +1,12 @@
 # ddplab: two commands.
-#   make lab    environment + JupyterLab on labs/ (gloo on CPU; GPUs when present)
+#   make lab    environment + JupyterLab opened on labs/exercises/ (gloo on CPU; GPUs when present)
 #   make test   every test, building .venv from scratch when it is missing
 PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.ddplab-installed
 
-.PHONY: lab test test-unit test-labs test-browser test-gpu handouts bench clean
+.PHONY: lab test test-unit test-labs test-browser test-gpu handouts exercises bench clean
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -15,21 +15,26 @@ $(STAMP): pyproject.toml constraints.txt
 	$(PY) -m pip install --quiet -c constraints.txt -e '.[lab,test,browser]'
 	touch $(STAMP)
 
+# Serves labs/ (solutions one folder up) and opens on the exercises.
 lab: $(STAMP)
-	$(VENV)/bin/jupyter lab labs/
+	$(VENV)/bin/jupyter lab --ServerApp.root_dir=labs --LabApp.default_url=/lab/tree/exercises
+
+# labs/exercises/ is generated from labs/ (cells tagged "solution" are stubbed).
+exercises: $(STAMP)
+	$(PY) -m ddplab.exercises
 
 # unit tests (<= 5 min), the labs executed by nbval (<= 10 min), a real browser (<= 2 min)
 test: test-unit test-labs test-browser
 
 test-unit: $(STAMP)
-	$(PY) -m pytest -q tests --ignore=tests/test_browser.py
+	$(PY) -m pytest -q tests --ignore-glob='tests/test_browser*.py'
 
 test-labs: $(STAMP)
 	$(PY) -m pytest -q --nbval-lax --nbval-current-env --nbval-sanitize-with labs/nbval-sanitize.cfg \
-	  -p no:cacheprovider labs
+	  -p no:cacheprovider --ignore=labs/exercises labs
 
 test-browser: $(STAMP)
-	$(PY) -m pytest -q tests/test_browser.py
+	$(PY) -m pytest -q tests/test_browser.py tests/test_browser_exercises.py
 
 # On a GPU machine: the CUDA build of torch already installed there (never the CPU pin),
 # the other dependencies from PyPI or from a folder of wheels (make test-gpu WHEELS=dir).
@@ -44,7 +49,7 @@ test-gpu:
 	$(GPU_PY) -m ddplab doctor --world-size 1 --world-size 2
 	$(GPU_PY) -m pytest -q -rs -m gpu tests
 	DDPLAB_WORLD_SIZE=$$($(GPU_PY) -c "import torch; print(min(2, torch.cuda.device_count()))") \
-	  $(GPU_PY) -m pytest -q --nbval-lax --nbval-current-env -p no:cacheprovider labs
+	  $(GPU_PY) -m pytest -q --nbval-lax --nbval-current-env -p no:cacheprovider --ignore=labs/exercises labs
 
 # Every solution notebook executed on live ranks and saved as static HTML with its figures
 # (build/handouts/, not committed): for slides, and for learners who cannot run the lab.

@@ -45,7 +45,15 @@ def _wrap(strategy, model, bucket_cap_mb=0.001, recorder=None):
     """(model to train, after_backward or None) for a registered strategy name.
 
     The lessons use a tiny model, so a tiny cap (0.001 MB) gives several buckets.
+    A wrapper class (``Cls`` or ``(Cls, *args)``, yours or ddplab's) wraps the
+    model; a plain function is the learner's own, called after backward.
     """
+    if isinstance(strategy, type):  # a wrapper class: Cls(module)
+        strategy = (strategy,)
+    if isinstance(strategy, tuple):  # (Cls, *args)
+        cls, *args = strategy
+        wrapped = cls(model, *args)
+        return wrapped, getattr(wrapped, "finish_gradient_synchronization", None)
     if callable(strategy) and not isinstance(strategy, Strategy):  # the learner's own function
         return model, (lambda: strategy(model))
     built = build_strategy(strategy, model, bucket_cap_mb=bucket_cap_mb, recorder=recorder)
@@ -55,7 +63,8 @@ def _wrap(strategy, model, bucket_cap_mb=0.001, recorder=None):
 def single_process_gap_on_rank(strategy="bucketed", steps=3, lr=0.1, sleep_on_rank=None):
     """Train ``strategy`` on this rank's data and, beside it, one model on ALL ranks' data.
 
-    ``strategy``: a name, or your own function ``f(model)`` called after backward.
+    ``strategy``: a name, your own function ``f(model)`` called after backward, or a
+    wrapper class ``Cls`` (``Cls(model)``) or ``(Cls, *args)`` (``Cls(model, *args)``).
     ``sleep_on_rank``: (rank, seconds) makes that rank a straggler before each backward.
     """
     import time

@@ -1,0 +1,37 @@
+"""Graders for the exercises: your synchronization code, on live ranks, against torch DDP.
+
+In the exercise notebooks (labs/exercises/) you write the synchronization
+yourself with plain ``torch.distributed``, then run a check:
+
+- ``check_average_gradients(cluster, fn)``: ``fn(model)`` after backward;
+- ``check_overlap_ddp(cluster, cls)``: a wrapper launching one async
+  all-reduce per gradient from its hook;
+- ``check_bucketed_ddp(cluster, cls)``: the same with buckets, in index order;
+- ``check_no_sync(cluster, fn)``: one optimizer step accumulating micro-batches
+  with torch DDP's ``no_sync``;
+- ``run_exercise(cluster, fn)`` / ``attempt(fn, ...)``: run a smaller exercise
+  (checked by plain asserts) so that an untouched stub says "not implemented
+  yet".
+
+Each trains a small float64 net (a tied and a frozen parameter, a different
+start and different data on every rank) for a few steps on the Cluster's
+ranks, next to one process and torch DDP (``workload``), watching what
+your code sends and when (``watch``) without reading its source or timing
+it. A pass prints a summary and draws your timeline beside torch DDP's; a
+failure raises ``CheckFailed`` (an AssertionError) whose ``.mistake`` names
+the likely mistake (``mistakes``).
+
+Leaves out, compared with a full DDP test suite: buffers, uneven batches,
+unused parameters, GPUs (the graders run the same on NCCL ranks in
+principle, but are tested on gloo only).
+References: Stanford CS336 assignment 2 (DDP tests against a single
+process, tied and frozen parameters); torch/testing/_internal/distributed.
+"""
+from .graders import (CheckResult, attempt, check_average_gradients, check_bucketed_ddp,
+                      check_no_sync, check_overlap_ddp, passed, run_exercise, yours_or_ours)
+from .mistakes import CheckFailed
+from .workload import loss_fn
+
+__all__ = ["check_average_gradients", "check_overlap_ddp", "check_bucketed_ddp", "check_no_sync",
+           "CheckFailed", "CheckResult", "passed", "yours_or_ours", "loss_fn", "attempt",
+           "run_exercise"]

@@ -1,0 +1,267 @@
+"""Watching a learner's synchronization from the outside, on the rank, while it runs.
+
+Teaches what can be known about gradient synchronization code WITHOUT
+reading it: every collective goes through ``torch.distributed``, so while
+the learner's code runs the grader replaces ``dist.all_reduce`` and its
+siblings with versions that note
+
+- which collective ran and on WHAT: a parameter's gradient, the parameter
+  itself (weights, not gradients!), or a tensor of the learner's own (a
+  flat bucket buffer, a copy), and how many elements;
+- WHEN, in backward's own terms: which gradient hook fired last before it,
+  and, for async work, whether ``work.wait()`` was called before the NEXT
+  hook fired (then nothing overlapped with backward) or only at the end.
+
+The order of events is the order things happened on this rank; no clock is
+read to decide anything (clock stamps only feed the drawn timeline).
+
+The grader's own hooks ("markers") are registered on every trainable
+parameter BEFORE the learner's wrapper exists, so each marker runs just
+before the learner's hook of the same parameter, and the first marker of a
+backward queues a callback that runs when backward's compute is over,
+before any callback the learner queues.
+
+Collectives the learner sends to the default group run instead on a group
+the grader made with a short timeout: a rank left waiting for a collective
+its peer never calls gets an error after that timeout, which becomes a
+message naming what it was waiting for (``Stalled``), not a frozen notebook.
+
+Leaves out: point-to-point ops, object collectives and functional
+collectives (they pass through unobserved), and CUDA streams.
+References: torch.distributed.all_reduce (``async_op=True`` returns a
+``Work``); torch.Tensor.register_post_accumulate_grad_hook;
+torch.autograd.Variable._execution_engine.queue_callback.
+"""
+from __future__ import annotations
+
+import inspect
+
+import torch
+import torch.distributed as dist
+from torch.distributed import distributed_c10d
+
+from ..timeline.clock import now
+
+OBSERVED = ("all_reduce", "broadcast", "all_gather", "all_gather_into_tensor", "reduce",
+            "reduce_scatter_tensor", "barrier")
+
+
+class Stalled(RuntimeError):
+    """A rank waited for a collective that did not complete (its text says "timed out",
+    so the Cluster replaces the ranks afterwards: a stuck group is not reused)."""
+
+    def __init__(self, rank: int, what: str):
+        self.rank, self.what = rank, what
+        super().__init__(f"rank {rank} timed out: {what}")
+
+    def __reduce__(self):
+        return (Stalled, (self.rank, self.what))
+
+
+class WorkProxy:
+    """The learner's handle on an async collective: ``wait()`` is noted, the rest passes through."""
+
+    def __init__(self, work, event: dict, watch: "Watch"):
+        self._work, self._event, self._watch = work, event, watch
+
+    def wait(self, *args, **kwargs):
+        self._watch._add("wait", seq=self._event["seq"])
+        return self._watch._blocking(self._event, self._work.wait, *args, **kwargs)
+
+    def get_future(self):
+        self._event["future"] = True  # waiting through the future is not visible here
+        return self._work.get_future()
+
+    def __getattr__(self, name):
+        return getattr(self._work, name)
+
+
+class Watch:
+    """Install with ``with watch.installed():``; markers with ``attach_markers(model)``."""
+
+    def __init__(self, model, group, recorder=None):
+        self.group = group
+        self.rank = dist.get_rank()
+        self.recorder = recorder
+        self.named = list(model.named_parameters())  # frozen ones too: they can be misused
+        self.events: list = []
+        self.step = None  # set by the grader's loop
+        self.phase = "construction"
+        self.backwards = 0  # backward passes seen (marker hooks)
+        self._in_backward = False
+        self._seq = 0
+        self._launches_in_step = 0
+        self._last_hook_t = None
+        self._saved: dict = {}
+
+    # -- markers: the grader's hooks ----------------------------------------------
+    def attach_markers(self, model) -> None:
+        for name, p in model.named_parameters():
+            if p.requires_grad:
+                p.register_post_accumulate_grad_hook(self._marker(name))
+
+    def _marker(self, name):
+        def marker(param):
+            if not self._in_backward:
+                self._in_backward = True
+                self.backwards += 1
+                torch.autograd.Variable._execution_engine.queue_callback(self._backward_end)
+            self._last_hook_t = now()
+            self._add("hook", param=name)
+        return marker
+
+    def _backward_end(self):
+        self._in_backward = False
+        self._add("backward_end")
+
+    # -- installing -----------------------------------------------------------------
+    def installed(self):
+        watch = self
+
+        class _Installed:
+            def __enter__(self):
+                watch._install()
+
+            def __exit__(self, *exc):
+                watch._uninstall()
+                return False
+        return _Installed()
+
+    def _install(self):
+        for name in OBSERVED:
+            orig = getattr(distributed_c10d, name)
+            self._saved[name] = orig
+            wrapped = self._wrap(name, orig)
+            setattr(distributed_c10d, name, wrapped)
+            setattr(dist, name, wrapped)
+
+    def _uninstall(self):
+        for name, orig in self._saved.items():
+            setattr(distributed_c10d, name, orig)
+            setattr(dist, name, orig)
+        self._saved = {}
+
+    def _wrap(self, name, orig):
+        sig = inspect.signature(orig)
+
+        def observed(*args, **kwargs):
+            call = sig.bind(*args, **kwargs).arguments
+            if call.get("group") is None or call.get("group") is dist.group.WORLD:
+                call["group"] = self.group
+            tensor = _first_tensor(call)
+            if tensor is None and name != "barrier":
+                raise TypeError(f"dist.{name} got no tensor (None?). A frozen parameter "
+                                "(requires_grad=False) has no gradient: p.grad is None. Skip "
+                                "parameters whose .grad is None.")
+            wants_work = bool(call.get("async_op", False))
+            call["async_op"] = True
+            event = self._launch(name, tensor)
+            work = self._blocking(event, orig, **call)
+            if self.recorder is not None and event["phase_"] in ("backward", "after backward"):
+                self._record(event, work)
+            proxy = WorkProxy(work, event, self)
+            if wants_work:
+                return proxy
+            event["async"] = False
+            proxy.wait()
+            return None
+        observed.__wrapped__ = orig
+        return observed
+
+    # -- what happened ------------------------------------------------------------------
+    def _add(self, what, **info):
+        info.update(what=what, step=self.step, phase=self.phase)
+        self.events.append(info)
+        return info
+
+    def _launch(self, op, tensor):
+        self._seq += 1
+        kind, param = self.classify(tensor)
+        where = self.phase
+        if self._in_backward:
+            where = "backward"
+        return self._add("launch", seq=self._seq, op=op, kind=kind, param=param,
+                         backward=self.backwards if where == "backward" else None,
+                         numel=0 if tensor is None else tensor.numel(), phase_=where,
+                         nbytes=0 if tensor is None else tensor.numel() * tensor.element_size())
+
+    def classify(self, tensor):
+        """("grad", name), ("weight", name) or ("own", None): what a collective ran on."""
+        if not isinstance(tensor, torch.Tensor):
+            return "own", None
+        ptr = tensor.untyped_storage().data_ptr()
+        for name, p in self.named:
+            if p.untyped_storage().data_ptr() == ptr:
+                return "weight", name
+            if p.grad is not None and p.grad.untyped_storage().data_ptr() == ptr:
+                return "grad", name
+        return "own", None
+
+    def _blocking(self, event, fn, *args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except RuntimeError as exc:
+            if "imed out" not in str(exc):
+                raise
+            raise Stalled(self.rank, self.describe(event)) from None
+
+    def describe(self, event) -> str:
+        on = {"grad": f"the gradient of {event['param']}", "weight": f"the weight {event['param']}",
+              "own": f"a tensor of {event['numel']} elements"}[event["kind"]]
+        hooks = []
+        for e in self.events:
+            if e is event:
+                break
+            if e["what"] == "hook" and e["step"] == event["step"]:
+                hooks.append(e)
+        if event["phase_"] == "backward" and hooks:
+            when = f"launched in backward, after the hook of {hooks[-1]['param']}"
+        else:
+            when = f"called {event['phase_']}"
+        step = "" if event["step"] is None else f" in step {event['step']}"
+        n = sum(1 for e in self.events if e["what"] == "launch" and e["step"] == event["step"])
+        return (f"was waiting for {event['op']} on {on} ({when}){step}; this rank had started "
+                f"{n} collective(s) in that step")
+
+    def _record(self, event, work):
+        rec, index = self.recorder, self._launches_in_step
+        self._launches_in_step += 1
+        if event["phase_"] == "backward" and self._last_hook_t is not None:
+            rec.grad_ready(index, self._last_hook_t)
+        label = event["param"] or f"your tensor ({event['numel']} elements)"
+        rec.launch(index, event["nbytes"], (f"{event['op']} {event['kind']} {label}",))
+        work.get_future().then(lambda _f: rec.comm_done(index))
+
+    def begin_step(self, step: int) -> None:
+        self.step, self._launches_in_step, self.phase = step, 0, "forward"
+
+    # -- facts for the grader ----------------------------------------------------------------
+    def step_facts(self, step: int) -> dict:
+        evs = [e for e in self.events if e["step"] == step]
+        launches = []
+        for i, e in enumerate(evs):
+            if e["what"] != "launch":
+                continue
+            waits = [j for j in range(i + 1, len(evs))
+                     if evs[j]["what"] == "wait" and evs[j]["seq"] == e["seq"]]
+            marks = [j for j in range(i + 1, len(evs)) if evs[j]["what"] in ("hook", "backward_end")]
+            waited_at = waits[0] if waits else None
+            launches.append({
+                "op": e["op"], "kind": e["kind"], "param": e["param"], "numel": e["numel"],
+                "phase": e["phase_"], "backward": e.get("backward", None),
+                "waited": waited_at is not None or e.get("future", False),
+                "waited_before_next_hook": (waited_at is not None and e["phase_"] == "backward"
+                                            and (not marks or waited_at < marks[0])),
+                "description": self.describe(e)})
+        return {"launches": launches, "hooks": [e["param"] for e in evs if e["what"] == "hook"],
+                "backward_ends": sum(1 for e in evs if e["what"] == "backward_end")}
+
+
+def _first_tensor(call: dict):
+    for key in ("tensor", "output_tensor", "tensor_list", "output", "input_tensor"):
+        t = call.get(key)
+        if isinstance(t, (list, tuple)) and t:
+            t = t[0]
+        if isinstance(t, torch.Tensor):
+            return t
+    return None

@@ -1,0 +1,111 @@
+"""An exercise notebook in a real JupyterLab: filled in like a learner would, graded on live ranks.
+
+The notebook is labs/exercises/02-average-gradients-vs-ddp.ipynb, cut down to what its two
+exercises need (set-up, stubs, graders, the cells that use the result; the timing experiments
+are left out to keep the browser budget), met as a learner meets it:
+
+- untouched, Run All goes on past the failing graders (they are tagged
+  ``raises-exception``), each says "not implemented yet", and the cells after them fall
+  back to ddplab's own implementation and say so;
+- then the browser types each solution cell of labs/02-... over its stub (one insertText,
+  as a paste would), saves, runs every cell again, and sees every grader print "passed"
+  and draw the learner's timeline beside torch DDP's; the saved notebook holds exactly the
+  solution's source.
+
+Skipped without Playwright or Chromium, except with CI=true. Budget: under a minute.
+"""
+import shutil
+
+import nbformat
+import pytest
+
+from _browser import (ARTIFACTS, KERNEL_IDLE_JS, ROOT, chromium, jupyterlab, notebook_errors,
+                      open_notebook, require_browser, run_all_cells, save_screenshots)
+from ddplab import exercises
+
+pytestmark = pytest.mark.timeout(240)
+NAME = "02-average-gradients-vs-ddp.ipynb"
+KEEP = {"cell-03b", "exercise-overlap-use"}  # cells that use the exercise's result
+CELLS = ".jp-NotebookPanel:not(.lm-mod-hidden) .jp-Notebook .jp-Cell"
+
+
+def cut_down(nb):
+    """Markdown, the set-up cell, stubs, graders and the cells that use what was written."""
+    first_code = next(c for c in nb.cells if c.cell_type == "code")
+    nb.cells = [c for c in nb.cells if c.cell_type == "markdown" or c is first_code
+                or c.id in KEEP or {"solution", "grader"} & set(exercises.tags(c))]
+    return nb
+
+
+def write_exercise(root):
+    ex = cut_down(nbformat.read(str(ROOT / "labs" / "exercises" / NAME), as_version=4))
+    nbformat.write(ex, str(root / "exercise.ipynb"))
+    solutions = {c.id: c.source for c in nbformat.read(str(ROOT / "labs" / NAME), as_version=4).cells
+                 if "solution" in exercises.tags(c)}
+    return ex, solutions
+
+
+def cell_text(page, index) -> str:
+    return page.locator(CELLS).nth(index).locator(".jp-OutputArea").inner_text()
+
+
+def test_an_exercise_fails_untouched_then_passes_filled_in(tmp_path):
+    executable = require_browser()
+    root = tmp_path / "root"
+    root.mkdir()
+    ex, solutions = write_exercise(root)
+    stubs = [i for i, c in enumerate(ex.cells) if "solution" in exercises.tags(c)]
+    graders = [i for i, c in enumerate(ex.cells) if "grader" in exercises.tags(c)]
+    users = [i for i, c in enumerate(ex.cells) if c.id in KEEP]
+    assert len(stubs) == len(graders) == len(users) == 2
+    with jupyterlab(root, tmp_path / "lab") as lab, chromium(executable, height=2400) as page:
+        try:
+            open_notebook(page, lab, "exercise.ipynb")
+            # untouched: every cell runs (the failed checks do not stop Run All)
+            run_all_cells(page, timeout_s=60)
+            for i in graders:
+                assert "CheckFailed: not implemented yet" in cell_text(page, i), cell_text(page, i)
+            for i in users:
+                assert "ddplab's own" in cell_text(page, i), cell_text(page, i)
+            save_screenshots(page, "browser-exercise-untouched")
+
+            for i in stubs:  # the learner replaces each stub with their code
+                page.locator(CELLS).nth(i).locator(".cm-content").click()
+                page.keyboard.press("Control+A")
+                page.keyboard.insert_text(solutions[ex.cells[i].id])
+                page.keyboard.press("Escape")
+            page.keyboard.press("Control+S")
+            run_all_cells_again(page, timeout_s=90)
+            assert notebook_errors(page) == []
+            for i in graders:
+                assert "passed" in cell_text(page, i), cell_text(page, i)
+                # the learner's timeline beside torch DDP's, drawn by plotly
+                assert page.locator(CELLS).nth(i).locator(".js-plotly-plot .barlayer").count() >= 1
+            for i in users:
+                assert "ddplab's own" not in cell_text(page, i)
+            ARTIFACTS.mkdir(exist_ok=True)
+            page.locator(CELLS).nth(graders[-1]).screenshot(
+                path=str(ARTIFACTS / "browser-exercise-passed.png"))
+            saved = nbformat.read(str(root / "exercise.ipynb"), as_version=4)
+            assert [saved.cells[i].source for i in stubs] == [solutions[ex.cells[i].id] for i in stubs]
+            assert page.errors == []
+        finally:
+            shots = save_screenshots(page, "browser-exercise")
+            shutil.copy(lab.log_path, shots[0].parent / "browser-exercise-jupyterlab.log")
+
+
+PROMPTS_JS = "[...document.querySelectorAll('%s .jp-InputPrompt')].map(p => p.textContent)" % (
+    ".jp-NotebookPanel:not(.lm-mod-hidden) .jp-CodeCell")
+
+
+def run_all_cells_again(page, timeout_s):
+    """Run All once more and wait until every code cell has run again (a higher number)."""
+    numbers = [int(n) for n in page.evaluate("() => " + PROMPTS_JS + ".join(' ')").replace(
+        "[", " ").replace("]", " ").replace(":", " ").split() if n.isdigit()]
+    run_all_cells(page, timeout_s=timeout_s)
+    page.wait_for_function(
+        """(last) => { const ps = %s;
+                       return ps.every(p => { const m = /\\[(\\d+)\\]/.exec(p);
+                                              return m !== null && +m[1] > last; }); }""" % PROMPTS_JS,
+        arg=max(numbers), timeout=timeout_s * 1000)
+    page.wait_for_function(KERNEL_IDLE_JS, timeout=timeout_s * 1000)
