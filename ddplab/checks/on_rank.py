@@ -208,12 +208,12 @@ def _observed_allreduce(group, bucket):
 def grade_accumulation(fn, cfg) -> dict:
     """``fn(model, optimizer, micro_batches)``: one optimizer step over the micro-batches,
     with ``model`` a torch DistributedDataParallel."""
-    from torch.nn.parallel import DistributedDataParallel as DDP
+    from ..strategies import build_strategy
 
     rank, n = dist.get_rank(), cfg["n_micro"]
     inner = W.graded_model(W.SEED + rank)
     g = Grading(cfg, inner)
-    model = DDP(inner, process_group=g.learner_group)
+    model = build_strategy("ddp", inner, process_group=g.learner_group).model
     model.register_comm_hook(g.learner_group, _observed_allreduce)
     opt = torch.optim.SGD(model.parameters(), lr=W.LR)
     stepped: list = []

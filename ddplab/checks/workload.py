@@ -122,13 +122,15 @@ def references(steps: int, n_micro: int = 1, group=None, recorder=None) -> dict:
     ``ddplab.timeline.recorder.Recorder``) receives its traced timeline.
     """
     import torch.distributed as dist
-    from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from ..sync.ddp_trace import DDPTracer
+    from ..strategies import build_strategy
 
     rank, world = dist.get_rank(group), dist.get_world_size(group)
-    ddp = DDP(graded_model(SEED + rank), process_group=group)
-    tracer = DDPTracer(ddp, recorder, group)
+    # torch DDP as every other part of ddplab builds it: through the registry
+    # (traced when a recorder is given), with torch's default 25 MB buckets.
+    built = build_strategy("ddp", graded_model(SEED + rank), process_group=group,
+                           recorder=recorder)
+    ddp, tracer = built.model, built.tracer
     opt = torch.optim.SGD(ddp.parameters(), lr=LR)
     out = []
     for step in range(steps):
@@ -141,13 +143,15 @@ def references(steps: int, n_micro: int = 1, group=None, recorder=None) -> dict:
             with quiet:
                 loss = _stamped(recorder, "forward", lambda: loss_fn(ddp(x), y) / n_micro)
                 _stamped(recorder, "backward", loss.backward)
-        info = tracer.end_iteration()
-        _split_wait(recorder, info["backward_compute_end"])
+        if tracer is not None:
+            # DDP waits for its buckets inside backward: its last grad-ready hook
+            # marks where compute ended and the wait began (as compare() draws it).
+            recorder.split_phase("backward", tracer.end_iteration()["backward_compute_end"], "wait")
         _stamped(recorder, "step", opt.step)
         out.append(flat_params(ddp.module))
     if recorder is not None:
         recorder.end_iteration()
-        for it in recorder.timeline.iterations:
+        for it in recorder.timeline.iterations:  # torch's one-bucket and rebuild iterations
             it.flags |= tracer.iteration_flags().get(it.iteration, set())
     return {"one_process": one_process(steps, world, n_micro), "torch_ddp": out}
 
@@ -165,16 +169,3 @@ def _stamped(recorder, phase, fn):
         return fn()
     with recorder.phase(phase):
         return fn()
-
-
-def _split_wait(recorder, compute_end):
-    # As compare() does: DDP waits inside backward; its last grad-ready hook
-    # marks where compute ended and the wait for the buckets began.
-    it = None if recorder is None else recorder._it
-    if it is None or compute_end is None or "backward" not in it.phases:
-        return
-    b0, b1 = it.phases["backward"]
-    if b0 <= compute_end <= b1:
-        it.phases["backward"] = (b0, compute_end)
-        it.phases["wait"] = (compute_end, b1)
-        it.sources["wait"] = "derived"
