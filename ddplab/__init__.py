@@ -7,13 +7,15 @@ torch's own DDP on recorded timelines. See README.md and labs/.
 from .cluster import (Cluster, ClusterError, CollectiveTimeout, JobTimeout, RankDied, RankError,
                       launch)
 from .cluster.backend import backend_name, device
+from .labsetup import lab_world_size, runs_here
 from .strategies import build_strategy, register_strategy, strategy_names
 from .torchrun import init_from_env
 
 __version__ = "0.1.0"
 __all__ = ["Cluster", "launch", "ClusterError", "CollectiveTimeout", "JobTimeout", "RankDied",
            "RankError", "average_gradients", "OverlapDDP", "BucketedDDP", "init_from_env",
-           "register_strategy", "build_strategy", "strategy_names", "device", "backend_name"]
+           "register_strategy", "build_strategy", "strategy_names", "device", "backend_name",
+           "lab_world_size", "runs_here"]
 
 
 def load_ipython_extension(ipython):

@@ -122,3 +122,23 @@ def test_doctor_lists_each_gpu_with_free_memory_and_users(monkeypatch, capsys):
     assert "world_size=2: nccl on GPUs [1, 2]" in out
     assert "world_size=5: gloo" in out and "3 of 5 are free" in out
     assert "cpu:gloo,cuda:nccl" in out and "ddplab rank(s) running here" in out
+
+
+def test_labs_read_their_world_size_and_say_why_a_cell_skips(monkeypatch, capsys):
+    import types
+
+    import ddplab
+
+    monkeypatch.delenv("DDPLAB_WORLD_SIZE", raising=False)
+    assert ddplab.lab_world_size() == 2
+    monkeypatch.setenv("DDPLAB_WORLD_SIZE", "1")
+    assert ddplab.lab_world_size() == 1
+    monkeypatch.setenv("DDPLAB_WORLD_SIZE", "two")
+    with pytest.raises(ValueError, match="not a number of ranks"):
+        ddplab.lab_world_size()
+    one_gpu = types.SimpleNamespace(world_size=1, backend="nccl")
+    assert not ddplab.runs_here(one_gpu, ranks=2, what="the straggler cell")
+    assert "skipped: the straggler cell needs 2 ranks (this cluster has 1" in capsys.readouterr().out
+    assert not ddplab.runs_here(one_gpu, cpu=True) and ddplab.runs_here(one_gpu, gpu=True)
+    two_cpu = types.SimpleNamespace(world_size=2, backend="gloo")
+    assert ddplab.runs_here(two_cpu, ranks=2) and not ddplab.runs_here(two_cpu, gpu=True)

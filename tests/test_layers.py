@@ -17,6 +17,7 @@ PACKAGE = ROOT / "ddplab"
 # Bottom to top. Peers share a number and may import each other.
 LAYERS = [
     ("ddplab.clock", 0), ("ddplab.protocols", 0), ("ddplab.cluster", 0), ("ddplab.torchrun", 0),
+    ("ddplab.labsetup", 0),
     ("ddplab.netsim", 1),
     ("ddplab.timeline", 2),
     ("ddplab.sync", 3), ("ddplab.strategies", 3),
