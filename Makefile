@@ -47,8 +47,8 @@ test-gpu:
 	$(GPU_PY) -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 'make test-gpu needs a CUDA build of torch and a GPU; this torch is ' + torch.__version__)"
 	$(GPU_PY) -m pip install --quiet --no-build-isolation $(if $(WHEELS),--no-index --find-links $(WHEELS)) -e '.[test]'
 	$(GPU_PY) -m ddplab doctor --world-size 1 --world-size 2
-	$(GPU_PY) -m pytest -q -rs -m gpu tests
-	DDPLAB_WORLD_SIZE=$$($(GPU_PY) -c "import torch; print(min(2, torch.cuda.device_count()))") \
+	DDPLAB_REQUIRE_DEVICE_GRADS=1 $(GPU_PY) -m pytest -q -rs -m gpu tests
+	DDPLAB_REQUIRE_DEVICE_GRADS=1 DDPLAB_WORLD_SIZE=$$($(GPU_PY) -c "import torch; print(min(2, torch.cuda.device_count()))") \
 	  $(GPU_PY) -m pytest -q --nbval-lax --nbval-current-env -p no:cacheprovider --ignore=labs/exercises labs
 
 # Every solution notebook executed on live ranks and saved as static HTML with its figures

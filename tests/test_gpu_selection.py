@@ -142,3 +142,33 @@ def test_labs_read_their_world_size_and_say_why_a_cell_skips(monkeypatch, capsys
     assert not ddplab.runs_here(one_gpu, cpu=True) and ddplab.runs_here(one_gpu, gpu=True)
     two_cpu = types.SimpleNamespace(world_size=2, backend="gloo")
     assert ddplab.runs_here(two_cpu, ranks=2) and not ddplab.runs_here(two_cpu, gpu=True)
+
+
+def test_make_test_gpu_refuses_gradients_left_on_the_cpu_of_an_nccl_rank(monkeypatch):
+    import torch
+
+    from ddplab.cluster import backend
+    from ddplab.sync import comm
+
+    monkeypatch.setattr(backend, "backend_name", lambda group=None: "nccl")
+    with pytest.raises(RuntimeError, match="stayed on the CPU. Put them on ddplab.device"):
+        comm._check_device(torch.ones(3), None, "grad")
+    comm._check_device(torch.ones(3), None, "used_map")  # CPU bookkeeping stays allowed
+    monkeypatch.setattr(backend, "backend_name", lambda group=None: "gloo")
+    comm._check_device(torch.ones(3), None, "grad")  # gloo ranks reduce CPU gradients
+
+
+def test_strict_device_check_leaves_gloo_ranks_training():
+    import ddplab
+
+    def step():
+        import torch
+
+        from ddplab.experiments import lessons
+        from ddplab.sync import comm
+
+        assert comm._REQUIRE_DEVICE_GRADS
+        return max(lessons.single_process_gap_on_rank("bucketed", steps=2))
+
+    with ddplab.Cluster(2, env={"DDPLAB_REQUIRE_DEVICE_GRADS": "1"}) as c:
+        assert max(c.run(step)) < 1e-12

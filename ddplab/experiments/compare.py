@@ -93,7 +93,9 @@ def run_on_rank(spec: RunSpec, strategies: dict | None = None) -> dict:
     from .runners import StrategyRunner
 
     _wait_for_start_up_imports()
-    rank, world, backend = dist.get_rank(), dist.get_world_size(), dist.get_backend()
+    from ..cluster.backend import backend_name
+
+    rank, world, backend = dist.get_rank(), dist.get_world_size(), backend_name()
     entries = [(strategies or {}).get(n) or get_strategy(n) for n in spec.strategies]
     runners = [StrategyRunner(s, spec, rank, world, backend) for s in entries]
     if spec.record:  # the drawn copies of strategies timed unrecorded

@@ -30,15 +30,26 @@ from ..strategies import Strategy, build_strategy
 from ..sync import comm
 
 
+def _device():
+    # The rank's GPU under nccl, else the CPU; outside a group (one process), the CPU.
+    import torch.distributed as dist
+
+    from ..cluster.backend import device
+
+    return device() if dist.is_initialized() else torch.device("cpu")
+
+
 def _tiny(seed=0, dtype=torch.float64):
     torch.manual_seed(seed)
     return nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 32), nn.Tanh(),
-                         nn.Linear(32, 4)).to(dtype)
+                         nn.Linear(32, 4)).to(dtype=dtype, device=_device())
 
 
 def _data(rank, step, batch=16, dtype=torch.float64):
+    # Drawn on the CPU (the same numbers on every device), then moved to the rank's device.
     g = torch.Generator().manual_seed(1000 * step + rank)
-    return torch.randn(batch, 8, generator=g, dtype=dtype), torch.randn(batch, 4, generator=g, dtype=dtype)
+    x, y = torch.randn(batch, 8, generator=g, dtype=dtype), torch.randn(batch, 4, generator=g, dtype=dtype)
+    return x.to(_device()), y.to(_device())
 
 
 def _wrap(strategy, model, bucket_cap_mb=0.001, recorder=None):

@@ -48,9 +48,10 @@ class StrategyRunner:
         strategy = get_strategy(strategy)
         self.name = strategy.name + (TRACED_SUFFIX if traced else "")
         self.spec, self.rank = spec, rank
-        # NCCL: each rank owns the GPU the Cluster selected for it (torch.cuda.set_device).
-        self.device = (torch.device("cuda", torch.cuda.current_device()) if backend == "nccl"
-                       else torch.device("cpu"))
+        # NCCL: each rank owns the GPU the Cluster selected for it (cluster/backend.py).
+        from ..cluster.backend import device
+
+        self.device = device()
         base = models.build(spec.model, seed=spec.seed, **spec.model_kwargs).to(self.device)
         # Phases are always stamped; bucket events only when recording is on.
         self.recorder = Recorder(self.name, rank, world_size, backend)

@@ -63,21 +63,30 @@ def fit(sizes_bytes, seconds, world_size: int) -> Fit:
 
 def measure_allreduce(sizes_bytes=(2**12, 2**16, 2**18, 2**20, 2**22, 2**23), repeats: int = 7,
                       group=None) -> dict:
-    """Run on EVERY rank: median seconds of a blocking all-reduce per size."""
+    """Run on EVERY rank: median seconds of a blocking all-reduce per size.
+
+    On NCCL ranks the tensors live on the rank's GPU (what its gradients use) and
+    the host waits for the GPU, since a "blocking" NCCL all-reduce only blocks the
+    stream, not the host."""
     import torch
     import torch.distributed as dist
 
+    from ..cluster.backend import device
     from ..clock import now
 
+    where = device(group)
+    settle = torch.cuda.synchronize if where.type == "cuda" else (lambda: None)
     out = {}
     for n in sizes_bytes:
-        t = torch.ones(max(1, n // 4), dtype=torch.float32)
+        t = torch.ones(max(1, n // 4), dtype=torch.float32, device=where)
         dist.all_reduce(t, group=group)  # warm the connection and buffers
         times = []
         for _ in range(repeats):
             dist.barrier(group=group)
+            settle()
             t0 = now()
             dist.all_reduce(t, group=group)
+            settle()
             times.append(now() - t0)
         out[int(t.numel() * 4)] = statistics.median(times)
     return out

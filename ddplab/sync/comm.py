@@ -36,6 +36,7 @@ References: torch.distributed.all_reduce / broadcast (async_op=True returns a
 from __future__ import annotations
 
 import contextlib
+import os
 from collections import Counter
 
 import torch
@@ -199,6 +200,22 @@ def _after_launch(work, group, recorder, kind, nbytes, bucket, params):
     return work
 
 
+# ``make test-gpu`` sets DDPLAB_REQUIRE_DEVICE_GRADS=1: on an NCCL rank a gradient
+# all-reduce of a CPU tensor then raises. The group would carry it (through gloo),
+# but a lab that left its model on the CPU would time the wrong thing in silence.
+_REQUIRE_DEVICE_GRADS = os.environ.get("DDPLAB_REQUIRE_DEVICE_GRADS") == "1"
+
+
+def _check_device(tensor, group, kind) -> None:
+    from ..cluster.backend import backend_name
+
+    if kind == "grad" and tensor.device.type == "cpu" and backend_name(group) == "nccl":
+        raise RuntimeError(
+            f"a gradient all-reduce on an NCCL rank carried a CPU tensor ({tuple(tensor.shape)}, "
+            f"{tensor.dtype}): the model or its data stayed on the CPU. Put them on "
+            "ddplab.device() (DDPLAB_REQUIRE_DEVICE_GRADS=1 makes this an error).")
+
+
 def all_reduce(tensor: torch.Tensor, group=None, async_op: bool = False, *, op=None,
                kind: str = "grad", bucket=None, params=(), recorder=None):
     """``torch.distributed.all_reduce`` (SUM by default), counted and recorded.
@@ -206,6 +223,8 @@ def all_reduce(tensor: torch.Tensor, group=None, async_op: bool = False, *, op=N
     With ``async_op=True`` returns the work (``.wait()``, ``.get_future()``);
     otherwise waits and returns ``None``, as torch does.
     """
+    if _REQUIRE_DEVICE_GRADS:
+        _check_device(tensor, group, kind)
     if tensor.is_sparse:  # what is sent: this rank's indices and values
         nbytes = (tensor._indices().numel() * tensor._indices().element_size()
                   + tensor._values().numel() * tensor.element_size())
