@@ -44,6 +44,9 @@ def interrupt_at(monkeypatch):
 
     yield arm
     monkeypatch.setattr(lifecycle, "_test_hook", None)
+    # Let operations this test left running (an abandoned start, a replacement) end here,
+    # under no hook, rather than inside the next test.
+    lifecycle.spawner.submit(lambda: None).wait()
 
 
 def _reduce_rank_plus_one():
@@ -55,13 +58,14 @@ def _reduce_rank_plus_one():
     return t.item()
 
 
-def _forever():
+def _long():
     import time
 
     import torch
     import torch.distributed as dist
 
-    while True:
+    end = time.monotonic() + 60  # ends by itself: a test whose Interrupt went astray fails, never hangs
+    while time.monotonic() < end:
         dist.all_reduce(torch.ones(1))
         time.sleep(0.01)
 
@@ -73,7 +77,7 @@ def test_interrupt_while_the_cluster_starts_leaks_no_rank(interrupt_at, points):
     with pytest.raises(KeyboardInterrupt):
         ddplab.Cluster(2, timeout=20)
     assert not todo, "the interrupt was not delivered where the test meant"
-    assert wait_rank_children(before) == before
+    assert wait_rank_children(before, timeout=60) == before
 
 
 @pytest.mark.parametrize("points", [
@@ -88,18 +92,18 @@ def test_interrupts_anywhere_in_a_job_leave_a_usable_cluster(cluster, interrupt_
     c, before = cluster
     old = c.pids
     todo = interrupt_at(*points)
-    job = _reduce_rank_plus_one if points == ("run:collected",) else _forever
+    job = _reduce_rank_plus_one if points == ("run:collected",) else _long
     with pytest.raises(KeyboardInterrupt):
         c.run(job)
     while todo:  # the remaining points are reached by the next calls
         with pytest.raises(KeyboardInterrupt):
             c.run(_reduce_rank_plus_one)
     assert c.run(_reduce_rank_plus_one) == [3.0, 3.0]
-    assert wait_gone(old), "the interrupted job's ranks must be gone"
-    assert wait_rank_children(before | set(c.pids)) == before | set(c.pids), "a rank leaked"
+    assert wait_gone(old, timeout=60), "the interrupted job's ranks must be gone"
+    assert wait_rank_children(before | set(c.pids), timeout=60) == before | set(c.pids), "a rank leaked"
 
 
 def test_after_every_interrupt_shutdown_leaves_nothing(cluster):
     c, before = cluster
     c.shutdown()
-    assert wait_rank_children(before) == before
+    assert wait_rank_children(before, timeout=60) == before
