@@ -45,12 +45,13 @@ def _mlp(width, layers):
 
 
 def _setup(strategy, width, layers):
-    """(module to call, function to run after backward, optimizer), built by ddplab's registry."""
+    """(module to call, function to run after backward, optimizer), built by ddplab's registry
+    with each strategy's own defaults (BucketedDDP: 25 MB; torch DDP: torch's default)."""
     import torch
 
     from ddplab.strategies import build_strategy
 
-    built = build_strategy(strategy, _mlp(width, layers), bucket_cap_mb=25.0)
+    built = build_strategy(strategy, _mlp(width, layers))
     return built.model, built.after_backward, torch.optim.SGD(built.model.parameters(), lr=1e-3)
 
 

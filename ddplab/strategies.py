@@ -222,12 +222,14 @@ def _bucketed(module, bucket_cap_mb=25.0, process_group=None, recorder=None, **o
 
 
 @register_strategy("ddp", shape="torch_ddp", time_unrecorded=True)
-def _ddp(module, bucket_cap_mb=25.0, process_group=None, recorder=None, device_ids=None,
+def _ddp(module, bucket_cap_mb=None, process_group=None, recorder=None, device_ids=None,
          through_comm=False, **options):
     """torch's DistributedDataParallel (traced when given a recorder)
 
-    ``through_comm=True``: its buckets go through a plain comm hook into
-    ddplab.sync.comm, so a simulated link delays them as it delays ours.
+    ``bucket_cap_mb=None`` is torch's own default (a small first bucket, then
+    25 MB); an explicit 25 gives no small first bucket. ``through_comm=True``:
+    its buckets go through a plain comm hook into ddplab.sync.comm, so a
+    simulated link delays them as it delays ours.
     """
     from torch.nn.parallel import DistributedDataParallel as DDP
 
