@@ -31,8 +31,8 @@ def cluster():
 def interrupt_at(monkeypatch):
     """``interrupt_at("run:collecting", "replace:waiting")``: SIGINT at each of
     those points, in that order, once each."""
-    # Jupyter's kernel turns SIGINT into KeyboardInterrupt; make sure this process does too,
-    # whatever an earlier test or library installed.
+    # Jupyter's kernel turns SIGINT into KeyboardInterrupt; make sure this process does too
+    # (a shell that starts pytest in the background sets SIGINT to be ignored).
     previous = signal.signal(signal.SIGINT, signal.default_int_handler)
 
     def arm(*names):
