@@ -31,6 +31,10 @@ def cluster():
 def interrupt_at(monkeypatch):
     """``interrupt_at("run:collecting", "replace:waiting")``: SIGINT at each of
     those points, in that order, once each."""
+    # Jupyter's kernel turns SIGINT into KeyboardInterrupt; make sure this process does too
+    # (a shell that starts pytest in the background sets SIGINT to be ignored).
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+
     def arm(*names):
         todo = list(names)
 
@@ -47,6 +51,7 @@ def interrupt_at(monkeypatch):
     # Let operations this test left running (an abandoned start, a replacement) end here,
     # under no hook, rather than inside the next test.
     lifecycle.spawner.submit(lambda: None).wait()
+    signal.signal(signal.SIGINT, previous)
 
 
 def _reduce_rank_plus_one():

@@ -69,12 +69,16 @@ def _replace_once(c, kind) -> None:
         with pytest.raises(ddplab.JobTimeout):
             c.run_job(_sleep, job_timeout=0.3)
     else:
+        # As in Jupyter, SIGINT must raise KeyboardInterrupt (a shell starting this in the
+        # background may have set it to be ignored).
+        previous = signal.signal(signal.SIGINT, signal.default_int_handler)
         lifecycle._test_hook = _interrupt_at("run:collecting")
         try:
             with pytest.raises(KeyboardInterrupt):
                 c.run(_sleep)
         finally:
             lifecycle._test_hook = None
+            signal.signal(signal.SIGINT, previous)
     assert c.pids != old and c.run(_reduce, 1) == [2.0, 2.0]
 
 
