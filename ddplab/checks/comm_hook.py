@@ -64,7 +64,7 @@ def _on_rank(hook, bucket_cap_mb):
     import torch.nn.functional as F
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from ..experiments.compression import _batch, _model, exact_mean_grads, relative_error
+    from ..experiments.compression import _batch, _device, _model, exact_mean_grads, relative_error
 
     rank, world = dist.get_rank(), dist.get_world_size()
     seen = {"buckets": 0, "bucket_bytes": 0, "sent_bytes": 0, "mistake": None, "detail": ""}
@@ -107,19 +107,19 @@ def _on_rank(hook, bucket_cap_mb):
 
         return fut.then(inspect_value)
 
-    ddp = DDP(_model(), bucket_cap_mb=bucket_cap_mb)
+    ddp = DDP(_model().to(_device()), bucket_cap_mb=bucket_cap_mb)
     ddp.register_comm_hook(None, watched)
-    x, y = _batch(rank)
+    x, y = _batch(rank, on=_device())
     for _ in range(2):  # iteration 0 has one bucket; iteration 1 the rebuilt ones
         ddp.zero_grad()
         F.mse_loss(ddp(x), y).backward()
     grads = [p.grad for p in ddp.module.parameters()]
     ref = exact_mean_grads(ddp.module, rank)
-    local = _model().double()
+    local = _model().double().to(_device())
     local.load_state_dict(ddp.module.state_dict())
-    xd, yd = _batch(rank, dtype=torch.float64)
+    xd, yd = _batch(rank, dtype=torch.float64, on=_device())
     F.mse_loss(local(xd), yd).backward()
-    scale = [float((g.double() * r).sum() / (r * r).sum()) for g, r in zip(grads, ref)]
+    scale = [float((g.double().to(r.device) * r).sum() / (r * r).sum()) for g, r in zip(grads, ref)]
     seen.update(rel_error=relative_error(grads, ref), world=world,
                 local_error=relative_error(grads, [p.grad for p in local.parameters()]),
                 scale=sum(scale) / len(scale))
