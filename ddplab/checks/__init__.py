@@ -35,3 +35,8 @@ from .workload import loss_fn
 __all__ = ["check_average_gradients", "check_overlap_ddp", "check_bucketed_ddp", "check_no_sync",
            "CheckFailed", "CheckResult", "passed", "yours_or_ours", "loss_fn", "attempt",
            "run_exercise"]
+
+# lab 07: a comm hook on torch DDP (its own module: it grades a different kind of code)
+from .comm_hook import check_comm_hook  # noqa: E402
+
+__all__ += ["check_comm_hook"]
