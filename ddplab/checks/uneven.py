@@ -23,6 +23,7 @@ other fix, which keeps every sample by shadowing the missing all-reduces; lab
 from __future__ import annotations
 
 from ..cluster.errors import RankError
+from .graders import passed  # exercise -> last verdict in this kernel
 from .mistakes import HUNG, NOT_IMPLEMENTED, CheckFailed
 
 OWN_COUNT = "each rank used its own count"
@@ -120,6 +121,7 @@ def check_agreed_steps(cluster, fn, *, train: bool = True) -> dict:
     if getattr(cluster, "world_size", 0) < 2:
         raise ValueError("this check needs a Cluster of at least 2 ranks: ddplab.Cluster(2)")
     configurations = counts_for(cluster.world_size)
+    passed["agreed_steps"] = False
     try:
         answers = cluster.run_job(_ask_on_rank, (fn, configurations), job_timeout=2 * cluster.timeout + 10)
     except RankError as err:
@@ -133,6 +135,7 @@ def check_agreed_steps(cluster, fn, *, train: bool = True) -> dict:
                                     "it (the ranks were replaced).") from None
         raise
     diagnose(configurations, answers)
+    passed["agreed_steps"] = True
     summary = {"configurations": configurations, "answers": [[_as_int(a) for a in r] for r in answers]}
     if train:
         counts = configurations[0]
