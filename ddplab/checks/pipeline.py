@@ -56,7 +56,7 @@ def _grade_on_rank(fn, batch_size: int, hang_s: float) -> dict:
             "zero_grads": all(g is None or not bool(g.any()) for g in have),
             "max_error": max(float((g - w).abs().max()) if g is not None else float("inf")
                              for g, w in zip(have, want)),
-            "loss": None if out is None else float(torch.as_tensor(out).detach()),
+            "loss": None if out is None else float(out.detach() if torch.is_tensor(out) else out),
             "want_loss": float(loss.detach()),
             "expected_bytes": batch_size * P.HIDDEN * 8}
 
