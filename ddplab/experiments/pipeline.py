@@ -15,10 +15,11 @@ Teaches (lab 08):
 
 The stage-to-stage transfer is point-to-point ``send``/``recv`` on the
 Cluster's own process group. ``torch.distributed.rpc`` (which the older
-model-parallel tutorials use) starts its own TensorPipe agent with its own
-listening sockets beside the process group; this project opens no listener
-beyond loopback without checking it, and the tensors moved are the same, so
-the bytes counted are the same. ``torch.distributed.pipelining`` also uses
+model-parallel tutorials use) starts a TensorPipe agent with listening
+sockets of its own, on the address the host name resolves to (or
+``TP_SOCKET_IFNAME``): loopback on a machine whose name resolves to
+127.0.0.1, the network on a server. This project opens no listener beyond
+loopback, and the tensors moved are the same, so the bytes are the same. ``torch.distributed.pipelining`` also uses
 send/recv between stages.
 
 Leaves out: micro-batching (GPipe, 1F1B schedules) that fills the pipeline's
