@@ -40,3 +40,9 @@ __all__ = ["check_average_gradients", "check_overlap_ddp", "check_bucketed_ddp",
 from .comm_hook import check_comm_hook  # noqa: E402
 
 __all__ += ["check_comm_hook"]
+
+# labs 06 and 08: a loop that agrees on its step count; send/recv between pipeline stages
+from .pipeline import check_pipeline_step  # noqa: E402
+from .uneven import check_agreed_steps  # noqa: E402
+
+__all__ += ["check_pipeline_step", "check_agreed_steps"]

@@ -1,0 +1,124 @@
+"""Grader for lab 08: the stage-to-stage send/recv of a model split across two ranks.
+
+The learner writes ``step(stage, x, y, act_shape)``, run on ranks 0 and 1:
+rank 0 runs stage 0 on ``x`` and sends the activation; rank 1 receives it,
+runs stage 1 and the loss, runs backward and sends the activation's
+gradient back; rank 0 receives it and finishes backward through stage 0.
+Rank 1 returns the loss.
+
+``check_pipeline_step(cluster, fn)`` runs it in float64 next to the whole
+model in one process (same weights, same batch) and checks every
+parameter's gradient on both stages, the loss, and the bytes each rank sent
+(``ddplab.experiments.pipeline.p2p_counting``): one activation forward and
+one gradient backward, ``batch x hidden x 8`` bytes each.
+
+Mistakes it names (each planted in tests/test_checks_labs06_08.py):
+not implemented; hung (a recv whose send never comes); the received
+activation does not require grad; stage 0 never ran its backward; wrong
+gradients; more (or fewer) bytes than one activation and one gradient;
+rank 1 did not return the loss.
+Leaves out: micro-batches and schedules (GPipe, 1F1B), more than 2 stages.
+"""
+from __future__ import annotations
+
+from ..cluster.errors import RankError
+from .graders import passed  # exercise -> last verdict in this kernel
+from .mistakes import HUNG, NOT_IMPLEMENTED, CheckFailed
+
+NO_REQUIRES_GRAD = "the received activation does not require grad"
+NO_STAGE0_BACKWARD = "stage 0 got no gradient"
+WRONG_GRADIENTS = "the gradients differ from one process"
+WRONG_BYTES = "not one activation forward and one gradient back"
+NO_LOSS = "rank 1 did not return the loss"
+
+
+def _grade_on_rank(fn, batch_size: int, hang_s: float) -> dict:
+    import torch
+    import torch.distributed as dist
+
+    from ..experiments import pipeline as P
+
+    rank = dist.get_rank()
+    if rank > 1:
+        return {"rank": rank, "idle": True}
+    whole = P.two_stage_model(seed=3, dtype=torch.float64)
+    x, y = P.batch(batch_size, seed=5, dtype=torch.float64)
+    loss = P.loss_fn(whole(x), y)
+    loss.backward()
+    stage = P.split(whole)[rank]
+    want = [p.grad.clone() for p in stage.parameters()]
+    whole.zero_grad(set_to_none=True)
+    with P.p2p_counting(recv_timeout_s=hang_s) as counted:
+        out = fn(stage, x if rank == 0 else None, y if rank == 1 else None, (batch_size, P.HIDDEN))
+    have = [p.grad for p in stage.parameters()]
+    return {"rank": rank, "idle": False, **counted.as_dict(),
+            "none_grads": sum(g is None for g in have),
+            "zero_grads": all(g is None or not bool(g.any()) for g in have),
+            "max_error": max(float((g - w).abs().max()) if g is not None else float("inf")
+                             for g, w in zip(have, want)),
+            "loss": None if out is None else float(out.detach() if torch.is_tensor(out) else out),
+            "want_loss": float(loss.detach()),
+            "expected_bytes": batch_size * P.HIDDEN * 8}
+
+
+def _from_rank_error(err: RankError) -> Exception:
+    errors = {r: e for r, e in err.exceptions.items() if e is not None}
+    texts = " ".join(f"{type(e).__name__}: {e}" for e in errors.values())
+    if any(isinstance(e, NotImplementedError) for e in errors.values()):
+        return CheckFailed(NOT_IMPLEMENTED)
+    if "does not require grad" in texts or "NoneType" in texts:
+        return CheckFailed(NO_REQUIRES_GRAD, "rank 1 received the activation into a plain tensor, so "
+                                             "backward left nothing in its .grad to send back. Call "
+                                             "h.requires_grad_() after dist.recv(h, src=0).\n" + texts[:600])
+    if any(isinstance(e, TimeoutError) for e in errors.values()) or isinstance(err, TimeoutError):
+        waits = [str(e) for e in errors.values() if isinstance(e, TimeoutError)]
+        return CheckFailed(HUNG, "\n".join(waits or [str(err).splitlines()[0]]) + "\nEvery recv needs "
+                                 "a matching send on the other rank: the activation 0 -> 1 after "
+                                 "stage 0's forward, its gradient 1 -> 0 after stage 1's backward "
+                                 "(the ranks were replaced).")
+    return err
+
+
+def diagnose(per_rank: list) -> None:
+    r0, r1 = per_rank[0], per_rank[1]
+    if r0["none_grads"] or r0["zero_grads"]:
+        raise CheckFailed(NO_STAGE0_BACKWARD, "stage 0's parameters have no gradient. After receiving "
+                                              "d loss / d h from rank 1, rank 0 must call "
+                                              "h.backward(grad_h) on the activation it computed.")
+    for r in (r0, r1):
+        if r["sent"] != r["expected_bytes"] or r["received"] != r["expected_bytes"]:
+            raise CheckFailed(WRONG_BYTES, f"rank {r['rank']} sent {r['sent']} and received "
+                                           f"{r['received']} bytes in {r['sends']} send(s) and "
+                                           f"{r['recvs']} recv(s); one activation of batch x hidden "
+                                           f"float64 is {r['expected_bytes']} bytes, and each rank "
+                                           "sends exactly one tensor that size.")
+    worst = max(r0["max_error"], r1["max_error"])
+    if worst > 1e-9:
+        raise CheckFailed(WRONG_GRADIENTS, f"largest gradient difference {worst:.2e} (rank 0: "
+                                           f"{r0['max_error']:.2e}, rank 1: {r1['max_error']:.2e}). "
+                                           "Rank 0's backward takes the gradient rank 1 sent: "
+                                           "h.backward(grad_h), not a loss of its own.")
+    if r1["loss"] is None or abs(r1["loss"] - r1["want_loss"]) > 1e-9:
+        raise CheckFailed(NO_LOSS, f"rank 1 returned {r1['loss']}, the loss is {r1['want_loss']:.6f}: "
+                                   "return loss_fn(stage(h), y) (detached) from rank 1.")
+
+
+def check_pipeline_step(cluster, fn, *, batch_size: int = 6, timeout: float = 5.0) -> list:
+    """Grade ``fn(stage, x, y, act_shape)`` on ranks 0 and 1 against the whole model in one process."""
+    if not callable(fn):
+        raise TypeError(f"pass your function itself, got {type(fn).__name__}")
+    if getattr(cluster, "world_size", 0) < 2:
+        raise ValueError("this check needs a Cluster of at least 2 ranks: ddplab.Cluster(2)")
+    passed["pipeline"] = False
+    try:
+        per_rank = cluster.run_job(_grade_on_rank, (fn, batch_size, float(timeout)),
+                                   job_timeout=2 * timeout + 10)
+    except RankError as err:
+        raise _from_rank_error(err) from None
+    diagnose(per_rank)
+    passed["pipeline"] = True
+    r0, r1 = per_rank[0], per_rank[1]
+    print(f"pipeline step: passed. Gradients of both stages equal one process (max gap "
+          f"{max(r0['max_error'], r1['max_error']):.1e}); loss {r1['loss']:.6f}; each rank sent "
+          f"{r0['sent']} bytes (batch {batch_size} x hidden x 8 bytes, float64) in one send.")
+    return per_rank
