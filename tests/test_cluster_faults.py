@@ -251,6 +251,25 @@ def test_ranks_whose_collectives_line_up_are_kept(cluster):
     assert "collectives line up" in str(info.value) and cluster.pids == old
 
 
+def _mismatched():
+    import torch.distributed as dist
+
+    t = torch.ones(4)
+    if dist.get_rank() == 0:
+        dist.all_reduce(t)
+    else:  # the same count of collectives, but not the same collective
+        dist.broadcast(t, 0)
+
+
+def test_a_mismatched_collective_is_a_timeout_and_its_closed_connections_are_replaced():
+    with ddplab.Cluster(2, timeout=3) as c:
+        old = c.pids
+        with pytest.raises(ddplab.CollectiveTimeout) as info:
+            c.run(_mismatched)
+        assert "replaced" in str(info.value) and c.pids != old
+        assert c.run(lambda: _reduce(1 + __import__("torch").distributed.get_rank())) == [3.0, 3.0]
+
+
 # -- 6. headlines name the root cause ----------------------------------------------------------
 def test_a_segfault_is_the_headline_not_the_peers_knock_on_error(cluster):
     def segfault_on_1():

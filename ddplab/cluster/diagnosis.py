@@ -70,7 +70,10 @@ def is_collective_timeout(info: dict, timeout: float, backend: str, in_step: boo
     if info.get("timeout"):
         return True
     waited = info.get("elapsed", 0.0) >= 0.95 * timeout
-    return waited and not in_step and (info.get("dist_error") or info.get("runtime_error", False))
+    # Out of step, or stuck inside a collective (the same count of collectives on
+    # every rank can still be different collectives: all_reduce against broadcast).
+    stuck = not in_step or info.get("in_collective", False)
+    return waited and stuck and (info.get("dist_error") or info.get("runtime_error", False))
 
 
 def root_cause_order(failures: dict) -> list[int]:
@@ -104,7 +107,7 @@ def replace_reason(failures: dict, pending: set, groups: dict, timed_out: list) 
         return "A rank process died, and its peers' process group with it."
     if timed_out:
         return "A collective timed out, which leaves the process group unusable."
-    if any(f.get("dist_error") for f in failures.values()):
+    if any(f.get("dist_error") or f.get("in_collective") for f in failures.values()):
         return "torch.distributed raised an error, after which the process group may be unusable."
     if not lined_up(groups):
         counts = ", ".join(f"rank {r}: {_count(s)}" for r, s in sorted(groups.items()))

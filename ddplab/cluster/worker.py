@@ -118,6 +118,9 @@ def error_info(exc: BaseException, skip_frames: int = 1, elapsed: float = 0.0) -
         "dist_error": isinstance(exc, getattr(dist, "DistError", ())),
         "runtime_error": isinstance(exc, RuntimeError),  # gloo's errors, DistError included
         "timeout": isinstance(exc, TimeoutError),
+        # raised from inside a torch.distributed call: its connections may be closed
+        "in_collective": bool(shown) and "torch/distributed/" in shown[-1][0].f_code.co_filename.replace(
+            os.sep, "/"),
         "elapsed": elapsed,
         "text": "".join(traceback.format_exception(exc)),
     }
