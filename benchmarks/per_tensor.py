@@ -232,8 +232,7 @@ def main(argv=None):
         if torch.cuda.is_available():
             devices.append("gpu")
         else:
-            print("GPU: skipped (no CUDA device visible to this torch "
-                  f"{torch.__version__}); CPU figures only")
+            print(f"GPU: skipped (no CUDA device visible to this torch {torch.__version__})")
     for device in devices:
         gpu = device == "gpu"
         cluster = ddplab.Cluster(1, backend="nccl", gpus=[0]) if gpu else \
