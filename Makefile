@@ -56,9 +56,13 @@ test-gpu:
 handouts: $(STAMP)
 	$(PY) -m ddplab.handouts -o build/handouts
 
+# BEFORE: the commit whose BucketedDDP per_tensor.py times beside today's (issue 17's "before";
+# skipped with a message where git does not have it, e.g. a shallow clone).
+BEFORE ?= 1121edf
 bench: $(STAMP)
 	$(PY) benchmarks/launch.py
 	$(PY) benchmarks/strategies.py
+	$(PY) benchmarks/per_tensor.py --against $(BEFORE)
 
 clean:
 	rm -rf $(VENV) $(GPU_VENV) .pytest_cache build *.egg-info test-artifacts

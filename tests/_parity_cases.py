@@ -14,6 +14,7 @@ or when a BatchNorm normalizes per slice (cases 5 and 6).
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
 import torch
@@ -22,7 +23,8 @@ import torch.utils.checkpoint as cp
 from torch import nn
 
 from ddplab.netsim import LinkModel
-from ddplab.netsim.simulated import use_link
+from ddplab.netsim.simulated import SimulatedLink
+from ddplab.sync import comm
 
 import _sync_helpers as H
 
@@ -212,8 +214,9 @@ def train(case, strategy, steps=4, ours_kw=None, torch_kw=None, slow_link=False,
             for k, m in models.items()}
     out = {"errors": {}, "vs_ddp": [], "vs_ref": [], "params": [], "eval_diff": []}
     per_rank = 4
-    link = use_link(SLOW_LINK if slow_link else None, ws)
-    with link:
+    # the registry (issue 13) replaced netsim's use_link by comm.using_link; close() ends its thread
+    link = SimulatedLink(SLOW_LINK, ws) if slow_link else None
+    with link or contextlib.nullcontext(), comm.using_link(link):
         for step in range(steps):
             x, y = batch(case, step, per_rank * ws, ws)
             xl, yl = H.my_slice(x, rank, ws), H.my_slice(y, rank, ws)

@@ -20,6 +20,17 @@ the wrong buffers. torch's reducer keeps the same rule.
 
 ``model.bucket_layout`` lists each bucket's parameter names and bytes.
 
+Host cost per gradient tensor. torch's reducer is C++; here every gradient
+costs one Python hook, so what each hook does is what this class costs.
+With neither unused-parameter option and no sparse bucket (the default)
+the hook takes a short path: find its (bucket, slot), refuse a second
+firing, count the slot, and launch only when its bucket is full and next
+in line. No torch call per gradient: the copies in and out are one fused
+call per bucket (``bucket.py``, "What it costs"). At world size 1 on CPU
+that puts this class at torch DDP's cost per tensor (it was 4.3-4.5 us
+per tensor over it): benchmarks/per_tensor.py, figures in
+docs/benchmarks.md. The options' checks run on the long path, unchanged.
+
 torch's options, same names, same meaning (each tested against torch DDP
 with the same option in tests/test_sync_options.py):
 
@@ -65,8 +76,8 @@ import torch
 from ._common import GradSyncModule
 from .bucket import Bucket, assign_buckets, check_bucket_cap
 from .comm_hooks import check_hook, run_hook
-from .sparse import SparseBucket, not_sparse_error, sparse_parameter_ids
-from .unused_policy import unused_policy
+from .sparse import SparseBucket, sparse_parameter_ids
+from .unused_policy import EveryParameterUsed, unused_policy
 
 
 class BucketedDDP(GradSyncModule):
@@ -119,6 +130,8 @@ class BucketedDDP(GradSyncModule):
         self._policy = unused_policy(self.find_unused_parameters, self.static_graph,
                                      self._params, self.grad_marks, process_group, recorder)
         self._unused_marked = False  # this backward's unused parameters are marked ready
+        # neither option and no sparse bucket: the hook takes its short path
+        self._plain = type(self._policy) is EveryParameterUsed and not sparse
 
     @property
     def bucket_layout(self) -> list:
@@ -158,6 +171,17 @@ class BucketedDDP(GradSyncModule):
         return self._where[index][0].index
 
     def _grad_ready(self, index, param):
+        bucket, slot = self._where[index]
+        if self._plain:  # no unused-parameter policy: the path every step takes by default
+            ready = bucket.ready_slots
+            if ready[slot]:
+                raise self._ready_twice(index)
+            ready[slot] = True
+            bucket.n_ready += 1
+            # only a full bucket that is next in line can launch anything
+            if bucket.n_ready == bucket.size and bucket.index == self._next_bucket:
+                self._launch_ready()
+            return
         policy = self._policy
         if policy.watching:  # static_graph's first backward: only watch
             policy.watch(index)
@@ -166,21 +190,15 @@ class BucketedDDP(GradSyncModule):
             if not self._unused_marked:  # first hook of this backward
                 self._unused_marked = True
                 for i in sorted(policy.unused):
-                    bucket, slot = self._where[i]
-                    bucket.add_grad(slot, self._params[i].grad)
+                    b, s = self._where[i]
+                    b.add_grad(s, self._params[i].grad)
             if index in policy.unused:
                 raise policy.unexpected(self._names[index])
         if policy.fires_needed and index in policy.fires_needed and not policy.last_fire(index):
             return  # static_graph: this hook fires again later in this backward
-        bucket, slot = self._where[index]
         if bucket.ready_slots[slot]:
             raise self._ready_twice(index)
-        try:
-            bucket.add_grad(slot, param.grad)
-        except RuntimeError:
-            if param.grad is not None and param.grad.is_sparse and isinstance(bucket, Bucket):
-                raise not_sparse_error(self._names[index]) from None
-            raise
+        bucket.add_grad(slot, param.grad)
         self._launch_ready()
 
     def _launch_ready(self):
@@ -188,6 +206,8 @@ class BucketedDDP(GradSyncModule):
         n = len(self.buckets)
         while self._next_bucket < n and self.buckets[self._next_bucket].ready:
             bucket = self.buckets[self._next_bucket]
+            if isinstance(bucket, Bucket):  # its copies, all at once (sparse: made at add_grad)
+                bucket.fill()
             if self._comm_hook is None:
                 bucket.launch(self.process_group, self.recorder)
             else:
@@ -220,7 +240,7 @@ class BucketedDDP(GradSyncModule):
         return self._policy.missing_hint
 
     def _not_ready(self):
-        return [n for b in self.buckets for n in b.missing()]
+        return [n for b in self.buckets if not b.ready for n in b.missing()]
 
     def _reset(self):
         for bucket in self.buckets:
