@@ -47,8 +47,10 @@ def _ready_profile(tl, iteration_numbers):
 
 def bucket_sweep(cluster, caps_mb=(0.25, 1, 4, 16, 64), link=None, steps: int = 4,
                  n_params: float = 4e6, depth: int = 8, batch_size: int = 32,
-                 fitted_link: LinkModel | None = None) -> dict:
+                 fitted_link: LinkModel | None = None, progress: bool = False) -> dict:
     """Step time and exposed communication of BucketedDDP for each bucket cap.
+
+    ``progress``: print one line per cap as it finishes (a sweep takes seconds per cap).
 
     ``link``: simulated link (preset name or LinkModel) or None for the real
     backend; predictions use ``link`` or, without one, ``fitted_link`` (see
@@ -74,13 +76,19 @@ def bucket_sweep(cluster, caps_mb=(0.25, 1, 4, 16, 64), link=None, steps: int = 
             row["predicted_step_ms"] = 1000 * p["step_s"]
             row["predicted_exposed_ms"] = 1000 * p["exposed_comm_s"]
         rows.append(row)
+        if progress:
+            print(f"  cap {cap:g} MB done ({len(rows)}/{len(caps_mb)}): {row['n_buckets']} buckets, "
+                  f"step {row['step_ms']:.1f} ms", flush=True)
     return {"rows": rows, "simulated_link": None if link is None else link.describe(),
             "world_size": cluster.world_size, "n_params": n_params}
 
 
 def scaling(world_sizes=(1, 2, 4), strategy: str = "bucketed", global_batch: int = 64,
-            steps: int = 4, n_params: float = 1e6, link=None) -> dict:
-    """Strong and weak scaling efficiency; starts a Cluster per world size."""
+            steps: int = 4, n_params: float = 1e6, link=None, progress: bool = False) -> dict:
+    """Strong and weak scaling efficiency; starts a Cluster per world size.
+
+    ``progress``: print one line per world size as it finishes (each starts its own ranks).
+    """
     from ..cluster import Cluster
     from ..cluster.resources import usable_cpus
 
@@ -96,6 +104,9 @@ def scaling(world_sizes=(1, 2, 4), strategy: str = "bucketed", global_batch: int
         rows.append({"world_size": p, "strong_step_ms": strong.metrics[strategy]["step_ms"],
                      "weak_step_ms": weak.metrics[strategy]["step_ms"],
                      "oversubscribed": strong.labels["oversubscribed"]})
+        if progress:
+            print(f"  {p} rank(s) done: strong {rows[-1]['strong_step_ms']:.1f} ms, "
+                  f"weak {rows[-1]['weak_step_ms']:.1f} ms per step", flush=True)
     for mode in ("strong", "weak"):
         eff = scaling_efficiency({r["world_size"]: r[f"{mode}_step_ms"] for r in rows}, mode)
         for row in rows:
