@@ -30,8 +30,8 @@ from __future__ import annotations
 
 import contextlib
 import datetime
-import uuid
 
+_CALLS = 0
 COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter",
                "reduce_scatter_tensor", "reduce", "broadcast", "all_to_all", "all_to_all_single",
                "gather", "scatter")
@@ -156,12 +156,15 @@ def watch_p2p(timeout: float = 10.0, tag: str | None = None):
     wait up to ``timeout`` seconds for the other side and raise ``P2PStalled``
     instead of hanging; a recv whose buffer size differs from what was sent
     raises ``SizeMismatch``. Collectives are logged (the exercise forbids them).
-    Every rank must enter it with the same ``tag`` (default: one per call order).
+    Every rank must enter it with the same ``tag`` (default: how many times this rank
+    entered it, the same on every rank when all call it alike).
     """
     import torch.distributed as dist
 
+    global _CALLS
+    _CALLS += 1  # every rank enters in the same order, so the default tags agree
     store = dist.distributed_c10d._get_default_store()
-    prefix = f"ddplab-p2p/{tag or uuid.uuid4().hex}"
+    prefix = f"ddplab-p2p/{tag or _CALLS}"
     me = dist.get_rank()
     log = P2PLog()
     seq_to, seq_from = {}, {}
