@@ -40,3 +40,8 @@ __all__ = ["check_average_gradients", "check_overlap_ddp", "check_bucketed_ddp",
 from .ring import check_ring_all_reduce  # noqa: E402
 
 __all__ += ["check_ring_all_reduce"]
+
+# lab 05: data and checkpoints
+from .data import check_batch_stats, check_sampler_indices  # noqa: E402
+
+__all__ += ["check_sampler_indices", "check_batch_stats"]
