@@ -110,13 +110,15 @@ class SizeMismatch(RuntimeError):
 class _Late:
     """The work ``isend``/``irecv`` return inside ``watch_p2p``: it meets its partner at ``wait()``."""
 
-    def __init__(self, finish):
-        self._finish, self._done = finish, False
+    def __init__(self, finish, log):
+        self._finish, self._done, self._log = finish, False, log
+        log.unfinished += 1
 
     def wait(self, timeout=None):
         if not self._done:
             self._finish()
             self._done = True
+            self._log.unfinished -= 1
         return True
 
     def is_completed(self):
@@ -131,6 +133,7 @@ class P2PLog:
         # isend/irecv works, kept alive: dropping an unfinished gloo send (the learner's code
         # raised before waiting) would cancel it and leave its receiver blocked
         self.works = []
+        self.unfinished = 0  # isend/irecv not (successfully) waited for: may still be in gloo
 
     @property
     def bytes_sent(self) -> int:
@@ -143,6 +146,7 @@ class P2PLog:
     def as_dict(self) -> dict:
         return {"sent": list(self.sent), "received": list(self.received),
                 "collectives": list(self.collectives), "bytes_sent": self.bytes_sent,
+                "unfinished": self.unfinished,
                 "bytes_received": self.bytes_received}
 
 
@@ -222,7 +226,7 @@ def watch_p2p(timeout: float = 10.0, tag: str | None = None):
         def finish():  # ...but its wait() stops, rather than hangs, if no recv ever comes
             await_key(key(me, dst, n, "ready"), "send", dst)
             work.wait()
-        return _Late(finish)
+        return _Late(finish, log)
 
     def recv(tensor, *args, **kwargs):
         src = peer_of(kwargs, args, "src")
@@ -241,7 +245,7 @@ def watch_p2p(timeout: float = 10.0, tag: str | None = None):
             await_key(key(src, me, n, "offered"), "recv", src)
             check_size(tensor, src, n)
             work.wait()
-        return _Late(finish)
+        return _Late(finish, log)
 
     def collective(name):
         def called(*args, **kwargs):
