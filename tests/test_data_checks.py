@@ -235,3 +235,10 @@ def test_set_epoch_changes_the_order_and_its_absence_repeats_it(cluster):
 
 def test_syncbn_refuses_cpu_tensors(cluster):
     assert "GPU" in cluster.run(ckpt.syncbn_refusal)[0]
+
+
+def test_a_ddp_step_is_a_step_on_the_global_batch(cluster):
+    ranks = cluster.run(data.ddp_step_on_rank, 4, 0.1)
+    assert data.max_gap(ranks[0], ranks[1]) == 0.0
+    assert data.max_gap(ranks[0], data.one_process_step(8, 0.1)) < 1e-12
+    assert data.max_gap(ranks[0], data.one_process_step(4, 0.1)) > 1e-6

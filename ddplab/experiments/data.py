@@ -66,15 +66,17 @@ def ddp_step_on_rank(per_rank_batch: int, lr: float) -> list:
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
 
+    from ..cluster.backend import device
+
     rank, p = dist.get_rank(), dist.get_world_size()
-    x, y = _linear_data(0, per_rank_batch * p)
+    x, y = (t.to(device()) for t in _linear_data(0, per_rank_batch * p))
     torch.manual_seed(0)
-    model = DDP(torch.nn.Linear(8, 1).double())
+    model = DDP(torch.nn.Linear(8, 1).double().to(device()))
     opt = torch.optim.SGD(model.parameters(), lr=lr)
     mine = slice(rank * per_rank_batch, (rank + 1) * per_rank_batch)
     torch.nn.functional.mse_loss(model(x[mine]), y[mine]).backward()
     opt.step()
-    return [t.detach().clone() for t in model.module.parameters()]
+    return [t.detach().cpu().clone() for t in model.module.parameters()]
 
 
 def one_process_step(batch: int, lr: float) -> list:
