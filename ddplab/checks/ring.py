@@ -1,0 +1,238 @@
+"""Grader for lab 00: a ring all-reduce written with send/recv, against dist.all_reduce.
+
+``check_ring_all_reduce(cluster, fn)`` calls ``fn(tensor)`` on every rank of a
+Cluster of at least 3 ranks, on float64 tensors whose lengths do not divide by
+the world size, holding whole numbers (so every order of addition gives the
+same sum exactly). It compares each rank's tensor afterwards with what
+``dist.all_reduce`` (SUM, in place) gives on the same data, and counts the
+bytes each rank sent (``ddplab.ring.watch_p2p``). Inside the check a blocking
+``send`` waits for its receiver, as on NCCL, so a ring in which every rank
+sends first stops after ``timeout`` seconds with a message instead of hanging.
+
+Named mistakes: a collective used instead of send/recv; deadlock (every rank
+blocked in send); sends and recvs that do not pair up; chunks that do not
+cover the tensor or differ between sender and receiver; the all-gather phase
+missing; a result returned instead of written in place; an average instead of
+a sum; a correct result that sends more than a ring (not a ring).
+
+Leaves out: timing (the cost is counted in bytes), reduce ops other than SUM,
+and process subgroups.
+"""
+from __future__ import annotations
+
+import traceback
+import uuid
+
+from ..cluster.errors import RankError
+from . import graders
+from .mistakes import EXPLAIN, NOT_IMPLEMENTED, RAISED, WRONG, CheckFailed
+
+COLLECTIVE = "a collective instead of send/recv"
+DEADLOCK = "deadlock: every rank sends first"
+UNPAIRED = "sends and recvs do not pair up"
+WRONG_SPLIT = "chunks do not cover the tensor"
+NO_ALLGATHER = "the all-gather phase is missing"
+NOT_IN_PLACE = "result not written in place"
+AVERAGED = "averaged instead of summed"
+NOT_A_RING = "correct, but not a ring (too many bytes)"
+
+EXPLAIN.update({
+    COLLECTIVE: "the exercise is to build all_reduce from dist.send/dist.recv (and isend/irecv); "
+                "no collective may do the work for you.",
+    DEADLOCK: "every rank called a blocking dist.send first. A send waits until its receiver "
+              "posts the matching recv (on NCCL always; gloo hides it only for small messages), "
+              "so all ranks wait and none receives. Post the send with dist.isend, then recv, then "
+              "wait for the send; or let even ranks send first and odd ranks receive first.",
+    UNPAIRED: "a rank waited for a message that its neighbour never sent (or sent one nobody "
+              "received). Every rank sends to (rank + 1) % p and receives from (rank - 1) % p, "
+              "the same number of times.",
+    WRONG_SPLIT: "when the length does not divide by the world size, chunks of n // p elements "
+                 "leave the last n % p elements out (or a reshape to (p, -1) fails). Cut with "
+                 "torch.tensor_split(t, p) (or t.chunk(p)) and size each receive buffer like the "
+                 "chunk it receives.",
+    NO_ALLGATHER: "after p-1 reduce-scatter steps each rank holds the full sum of only ONE chunk. "
+                  "p-1 more steps must pass the finished chunks round the ring (copying, not adding).",
+    NOT_IN_PLACE: "dist.all_reduce writes the sum into the tensor it is given; your function "
+                  "returned the right values but left its argument unchanged. Write into it "
+                  "(chunk views of it, add_/copy_).",
+    AVERAGED: "the result is the mean, not the sum: all_reduce's default op is SUM (DDP divides "
+              "by the world size separately).",
+    NOT_A_RING: "the values are right, but a rank sent more than a ring's 2(p-1)/p of the data. "
+                "Send one chunk per step to your right neighbour only.",
+})
+graders.TITLES.setdefault("ring_all_reduce", "ring all-reduce")
+
+
+def _data(rank: int, n: int, seed: int):
+    import torch
+
+    g = torch.Generator().manual_seed(seed * 1000 + rank)
+    return torch.randint(-99, 100, (n,), generator=g).double()
+
+
+def grade_on_rank(fn, cfg: dict) -> list:
+    """Runs on every rank: the learner's ring on each length, next to dist.all_reduce."""
+    import torch
+    import torch.distributed as dist
+
+    from .. import ring as R
+    from ..cluster.backend import device
+
+    rank, p = dist.get_rank(), dist.get_world_size()
+    cases = []
+    for i, n in enumerate(cfg["lengths"]):
+        mine = _data(rank, n, cfg["seed"]).to(device())
+        reference = mine.clone()
+        dist.all_reduce(reference)  # torch's own answer, before the learner's code runs
+        t = mine.clone()
+        case = {"n": n, "ref": reference.cpu(), "p": p, "element_size": t.element_size()}
+        log = None
+        try:
+            with R.watch_p2p(cfg["timeout"], tag=f"{cfg['tag']}/{i}") as log:
+                ret = fn(t)
+            case["ret"] = ret.detach().cpu() if isinstance(ret, torch.Tensor) else None
+        except NotImplementedError:
+            case["error"] = ("NotImplementedError", "")
+        except R.P2PStalled as e:
+            case["stalled"] = (e.op, e.peer)
+        except R.SizeMismatch as e:
+            case["size_mismatch"] = str(e)
+        except Exception as e:  # the learner's bug, reported in words below
+            case["error"] = (type(e).__name__, str(e)[:400], traceback.format_exc()[-1500:])
+        case["out"] = t.cpu()
+        case["log"] = log.as_dict() if log is not None else None
+        cases.append(case)
+        if not _all_ranks_ok("ret" in case, f"ddplab-ring/{cfg['tag']}/{i}", rank, p, cfg["timeout"]):
+            break  # every rank stops at the same case (or all go on)
+    return cases
+
+
+def _all_ranks_ok(ok: bool, prefix: str, rank: int, p: int, timeout: float) -> bool:
+    """Agree through the store, not a collective: a failed ring may have left an
+    unmatched isend inside gloo, and a collective on the same pair could wait behind it."""
+    import datetime
+
+    import torch.distributed as dist
+
+    store = dist.distributed_c10d._get_default_store()
+    store.set(f"{prefix}/{rank}", "1" if ok else "0")
+    keys = [f"{prefix}/{r}" for r in range(p)]
+    store.wait(keys, datetime.timedelta(seconds=2 * timeout + 10))
+    return all(store.get(k) == b"1" for k in keys)
+
+
+def check_ring_all_reduce(cluster, fn, *, lengths=(10, 1001), timeout: float = 5.0, seed: int = 0):
+    """Grade ``fn(tensor)``: afterwards ``tensor`` holds the SUM over ranks, as after
+    ``dist.all_reduce(tensor)``, using only send/recv (isend/irecv), and each rank sent
+    about 2(p-1)/p of the tensor. Needs a Cluster of at least 3 ranks."""
+    if not callable(fn):
+        raise TypeError(f"pass your ring function itself, got {type(fn).__name__}")
+    if getattr(cluster, "world_size", 0) < 3:
+        raise ValueError("the ring check needs at least 3 ranks (with 2, left and right are the "
+                         "same neighbour): ddplab.Cluster(3)")
+    p = cluster.world_size
+    if any(n % p == 0 for n in lengths):
+        raise ValueError(f"choose lengths that do not divide by {p}: that is where rings go wrong")
+    cfg = dict(lengths=list(lengths), timeout=float(timeout), seed=seed, tag=uuid.uuid4().hex)
+    graders.passed["ring_all_reduce"] = False
+    try:
+        per_rank = cluster.run_job(grade_on_rank, (fn, cfg),
+                                   job_timeout=len(lengths) * (2 * timeout + 10) + 20)
+    except RankError as err:
+        raise graders._from_rank_error(err) from None
+    try:
+        summary = diagnose(per_rank)
+    except CheckFailed as failed:
+        if any(_left_pending(c) for r in per_rank for c in r):
+            # an isend/irecv without a partner may still be posted inside gloo: fresh ranks
+            note = cluster._replace("The ring stopped halfway.")
+            failed = CheckFailed(failed.mistake, f"{failed.detail}\n({note})")
+        raise failed from None
+    graders.passed["ring_all_reduce"] = True
+    print(summary)
+    return per_rank
+
+
+def _left_pending(case) -> bool:
+    """Whether a case may have left an unmatched isend/irecv inside gloo (blocking send and
+    recv start their real transfer only once both sides are there, so they never do)."""
+    return bool((case.get("log") or {}).get("unfinished"))
+
+
+def diagnose(per_rank: list) -> str:
+    """A summary if every case passed, else ``CheckFailed`` naming the first mistake."""
+    p = len(per_rank)
+    for i in range(len(per_rank[0])):
+        cases = [r[i] for r in per_rank if i < len(r)]
+        _diagnose_case(cases, p)
+    from ..ring import ring_bytes_model
+
+    lines = [f"ring all-reduce: passed on {p} ranks, float64, lengths "
+             f"{', '.join(str(c['n']) for c in per_rank[0])} (none divisible by {p}); "
+             "every rank equals dist.all_reduce."]
+    for c in (r[-1] for r in [per_rank[0]]):
+        model = ring_bytes_model(c["n"], c["element_size"], p)
+        sent = [r[-1]["log"]["bytes_sent"] for r in per_rank]
+        lines.append(f"  n={c['n']}: bytes sent per rank {sent}; model 2(p-1)/p * n * 8 = {model:.0f}.")
+    return "\n".join(lines)
+
+
+def _diagnose_case(cases, p):
+    import torch
+
+    n = cases[0]["n"]
+    where = f"(length {n} on {p} ranks)"
+    errors = {r: c["error"] for r, c in enumerate(cases) if "error" in c}
+    if any(e[0] == "NotImplementedError" for e in errors.values()):
+        raise CheckFailed(NOT_IMPLEMENTED, "your ring raised NotImplementedError.")
+    used = sorted({name for c in cases if c.get("log") for name in c["log"]["collectives"]})
+    if used:
+        raise CheckFailed(COLLECTIVE, f"called: {', '.join('dist.' + u for u in used)}.")
+    for r, e in errors.items():
+        if "invalid for input of size" in e[1] or "split_size" in e[1]:
+            raise CheckFailed(WRONG_SPLIT, f"rank {r} {where}: {e[0]}: {e[1]}")
+    mismatch = [c["size_mismatch"] for c in cases if "size_mismatch" in c]
+    if mismatch:
+        raise CheckFailed(WRONG_SPLIT, f"{where}: {mismatch[0]}.")
+    stalled = {r: c["stalled"] for r, c in enumerate(cases) if "stalled" in c}
+    if stalled:
+        lines = [f"rank {r} was blocked in {'send to' if op == 'send' else 'recv from'} rank {peer}"
+                 for r, (op, peer) in sorted(stalled.items())]
+        if len(stalled) == p and all(op == "send" for op, _ in stalled.values()):
+            raise CheckFailed(DEADLOCK, "stopped after the timeout: " + "; ".join(lines) + ".")
+        raise CheckFailed(UNPAIRED, "stopped after the timeout: " + "; ".join(lines) + ".")
+    if errors:
+        r = min(errors)
+        raise CheckFailed(RAISED, f"rank {r} {where}: {errors[r][0]}: {errors[r][1]}\n"
+                          f"{errors[r][2] if len(errors[r]) > 2 else ''}")
+    ref = cases[0]["ref"]
+    for r, c in enumerate(cases):
+        out = c["out"]
+        if torch.equal(out, ref):
+            continue
+        if c.get("ret") is not None and c["ret"].shape == ref.shape and torch.equal(c["ret"], ref):
+            raise CheckFailed(NOT_IN_PLACE, f"rank {r} {where}.")
+        if torch.allclose(out * p, ref):
+            raise CheckFailed(AVERAGED, f"rank {r} {where}: got {out[:3].tolist()}..., "
+                              f"all_reduce gives {ref[:3].tolist()}...")
+        wrong = (out != ref).nonzero().flatten().tolist()
+        tail = set(range(p * (n // p), n))
+        if set(wrong) <= tail:
+            raise CheckFailed(WRONG_SPLIT, f"rank {r} {where}: elements {wrong} were never "
+                              f"reduced (the last {n % p}).")
+        for split in (torch.tensor_split(torch.arange(n), p), torch.arange(n).chunk(p)):
+            finished = [sum(bool(torch.equal(x["out"][s], ref[s])) for s in split) for x in cases]
+            if all(f == 1 for f in finished) and len(split) > 1:
+                raise CheckFailed(NO_ALLGATHER, f"{where}: each rank holds the full sum of exactly "
+                                  "one chunk; the others hold partial sums.")
+        raise CheckFailed(WRONG, f"rank {r} {where}: {len(wrong)} of {n} elements differ from "
+                          f"dist.all_reduce, first at index {wrong[0]}: got {out[wrong[0]].item():g}, "
+                          f"expected {ref[wrong[0]].item():g}.")
+    from ..ring import ring_bytes_model
+
+    element_size = cases[0]["element_size"]
+    limit = ring_bytes_model(n, element_size, p) + 2 * (p - 1) * element_size  # uneven chunks
+    sent = [c["log"]["bytes_sent"] for c in cases]
+    if max(sent) > limit:
+        raise CheckFailed(NOT_A_RING, f"{where}: bytes sent per rank {sent}; a ring sends at most "
+                          f"{limit:.0f} (2(p-1)/p * n * {element_size}, plus uneven chunks).")
