@@ -145,8 +145,10 @@ def check_ring_all_reduce(cluster, fn, *, lengths=(10, 1001), timeout: float = 5
     except CheckFailed as failed:
         if any(_left_pending(c) for r in per_rank for c in r):
             # an isend/irecv without a partner may still be posted inside gloo: fresh ranks
-            note = cluster._replace("The ring stopped halfway.")
-            failed = CheckFailed(failed.mistake, f"{failed.detail}\n({note})")
+            cluster.ensure_ready(stale="The ring stopped halfway: an unmatched send or recv may "
+                                       "still be posted inside gloo.")
+            failed = CheckFailed(failed.mistake, f"{failed.detail}\n(The ranks were replaced: "
+                                 "an unmatched send or recv may still have been posted.)")
         raise failed from None
     graders.passed["ring_all_reduce"] = True
     print(summary)

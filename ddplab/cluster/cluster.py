@@ -182,14 +182,16 @@ class Cluster:
             print(note, file=sys.stderr)
         return gens.ranks
 
-    def ensure_ready(self) -> list[int]:
+    def ensure_ready(self, stale: str | None = None) -> list[int]:
         """Replace dead or stale ranks now rather than at the next job; returns the pids.
 
         For callers that prepare fresh ranks (the %%ddp magics define names on
-        them) and must know before a job whether the ranks are new."""
+        them) and must know before a job whether the ranks are new. ``stale``
+        (a reason) replaces them anyway: a grader that left a send half-done."""
         with self._lock:
             if self._gens.closed:
                 raise ClusterError("this Cluster was shut down; start a new one: ddplab.Cluster(...)")
+            self._gens.stale = stale or self._gens.stale
             self._ready()
             return self.pids
 
