@@ -106,3 +106,21 @@ def test_shutdown_deletes_the_store():
     c.run(lambda: 0)
     c.shutdown()
     assert not os.path.exists(store_dir)
+
+
+def test_a_dead_kernels_rendezvous_folder_is_removed_and_a_live_ones_kept(tmp_path):
+    import subprocess
+    import sys
+
+    from ddplab.cluster import rendezvous
+
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True).stdout.strip()
+    dead, live, other = tmp_path / "ddplab-dead", tmp_path / "ddplab-live", tmp_path / "ddplab-lab05-x"
+    for folder, pid in ((dead, gone), (live, str(os.getppid()))):
+        folder.mkdir()
+        (folder / rendezvous.OWNER).write_text(pid)
+        (folder / "gen0.store").write_bytes(b"")
+    other.mkdir()  # no owner file: not a rendezvous folder, never touched
+    assert rendezvous.remove_leftovers(str(tmp_path)) == [str(dead)]
+    assert not dead.exists() and live.exists() and other.exists()

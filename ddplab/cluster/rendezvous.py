@@ -16,7 +16,10 @@ at a fresh path inside it: a store left behind by ranks that did not destroy
 their group would hang the next init, and a fresh name per generation cannot
 be guessed or pre-written by another user anyway. The directory also holds
 each rank's stack-dump file (faulthandler writes there on SIGUSR1, so a rank
-that floods its stdout cannot bury its own stacks). It is deleted at shutdown.
+that floods its stdout cannot bury its own stacks). It is deleted at shutdown;
+the directory of a kernel that died without one (SIGKILL, a lost power
+socket) names its kernel's pid, and the next Cluster of this user removes it
+once that process is gone.
 
 What is still exposed: once the group exists, gloo's own transport listens
 on the loopback interface (127.0.0.1, ports the OS picks) and connects the
@@ -37,11 +40,17 @@ import shutil
 import tempfile
 
 
+OWNER = "kernel.pid"  # inside each directory: the process that made it
+
+
 class PrivateRendezvous:
     """One mode-0700 directory per Cluster; one store file per generation of ranks."""
 
     def __init__(self):
+        remove_leftovers()
         self.dir = tempfile.mkdtemp(prefix="ddplab-")  # 0700, a name nobody can predict
+        with open(os.path.join(self.dir, OWNER), "w") as f:
+            f.write(str(os.getpid()))
 
     def store_path(self, generation: int) -> str:
         return os.path.join(self.dir, f"gen{generation}.store")
@@ -60,3 +69,36 @@ class PrivateRendezvous:
 
     def remove(self) -> None:
         shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def remove_leftovers(root: str | None = None) -> list[str]:
+    """Delete this user's rendezvous directories whose kernel process is gone."""
+    root = root or tempfile.gettempdir()
+    removed = []
+    try:
+        names = [n for n in os.listdir(root) if n.startswith("ddplab-")]
+    except OSError:
+        return removed
+    for name in names:
+        path = os.path.join(root, name)
+        try:
+            if os.stat(path).st_uid != os.getuid():
+                continue
+            with open(os.path.join(path, OWNER)) as f:
+                pid = int(f.read())
+        except (OSError, ValueError):  # not a rendezvous directory, or not ours
+            continue
+        if pid != os.getpid() and not _alive(pid):
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path)
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process has that pid now: leave the folder
+        return True
+    return True
