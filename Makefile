@@ -21,7 +21,7 @@ lab: $(STAMP)
 
 # labs/exercises/ is generated from labs/ (cells tagged "solution" are stubbed).
 exercises: $(STAMP)
-	$(PY) -m ddplab.exercises
+	$(PY) -m ddplab.course.exercises
 
 # unit tests (<= 5 min), the labs executed by nbval (<= 10 min), a real browser (<= 2 min)
 test: test-unit test-labs test-browser
@@ -54,7 +54,7 @@ test-gpu:
 # Every solution notebook executed on live ranks and saved as static HTML with its figures
 # (build/handouts/, not committed): for slides, and for learners who cannot run the lab.
 handouts: $(STAMP)
-	$(PY) -m ddplab.handouts -o build/handouts
+	$(PY) -m ddplab.course.handouts -o build/handouts
 
 # BEFORE: the commit whose BucketedDDP per_tensor.py times beside today's (issue 17's "before";
 # skipped with a message where git does not have it, e.g. a shallow clone).

@@ -49,7 +49,7 @@ def _setup(strategy, width, layers):
     with each strategy's own defaults (BucketedDDP: 25 MB; torch DDP: torch's default)."""
     import torch
 
-    from ddplab.strategies import build_strategy
+    from ddplab.sync.registry import build_strategy
 
     built = build_strategy(strategy, _mlp(width, layers))
     return built.model, built.after_backward, torch.optim.SGD(built.model.parameters(), lr=1e-3)

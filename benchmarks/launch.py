@@ -81,7 +81,7 @@ def round_trips(fn, n: int) -> list[float]:
 
 
 def torchrun_times(repeats: int) -> list[float]:
-    from ddplab import export
+    from ddplab.notebook import export
 
     rec = export.Recording(2, backend="gloo")
     rec.add_cell("<ddp-cell-1>", "import torch.distributed as dist\ndist.barrier()\n")
@@ -102,7 +102,7 @@ def magic_overhead(n: int) -> tuple[float, float]:
     from IPython.core.interactiveshell import InteractiveShell
 
     shell = InteractiveShell.instance()
-    shell.run_line_magic("load_ext", "ddplab.magics")
+    shell.run_line_magic("load_ext", "ddplab.notebook.magics")
     shell.run_line_magic("ddp_start", "2")
     magics = shell.magics_manager.registry["DDPMagics"]
     shell.user_ns.update(cluster=magics.cluster, noop=noop)

@@ -48,7 +48,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import ddplab  # noqa: E402
-from ddplab.strategies import Strategy  # noqa: E402
+from ddplab.sync.registry import Strategy  # noqa: E402
 
 # (label, registry name, options)
 STRATEGIES = [("none", "none", {}), ("floor", None, {}), ("ddp", "ddp", {}),
@@ -104,7 +104,7 @@ def _time_runs(model_kind, width, strategies, runs, steps, warmup, ref_pkg, cloc
     import torch
     from torch import nn
 
-    from ddplab.strategies import build_strategy
+    from ddplab.sync.registry import build_strategy
 
     dev = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
         else torch.device("cpu")

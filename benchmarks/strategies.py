@@ -18,7 +18,7 @@ import time
 def _recording_overhead(spec):
     import torch.distributed as dist
 
-    from ddplab.experiments.runners import StrategyRunner
+    from ddplab.measure.runners import StrategyRunner
 
     rank, world, backend = dist.get_rank(), dist.get_world_size(), dist.get_backend()
     on = StrategyRunner("bucketed", spec.replace(record=True), rank, world, backend)
@@ -48,7 +48,7 @@ def main() -> None:
 
     import ddplab
     from ddplab.cluster.resources import usable_cpus
-    from ddplab.experiments import RunSpec, compare, print_table
+    from ddplab.measure import RunSpec, compare, print_table
 
     with ddplab.Cluster(args.world_size) as c:
         print(f"machine: {usable_cpus()} usable CPUs, {args.world_size} gloo ranks, "

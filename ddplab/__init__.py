@@ -4,12 +4,15 @@ Start ranks from a notebook (``Cluster``), synchronize gradients three ways
 (``average_gradients``, ``OverlapDDP``, ``BucketedDDP``), and compare them with
 torch's own DDP on recorded timelines. See README.md and labs/.
 """
-from .cluster import (Cluster, ClusterError, CollectiveTimeout, JobTimeout, RankDied, RankError,
-                      launch)
-from .cluster.backend import backend_name, device
-from .labsetup import lab_world_size, runs_here
-from .strategies import build_strategy, register_strategy, strategy_names
-from .torchrun import init_from_env
+from ddplab import _moved
+from ddplab.cluster import (Cluster, ClusterError, CollectiveTimeout, JobTimeout, RankDied,
+                            RankError, launch)
+from ddplab.cluster.backend import backend_name, device
+from ddplab.course.labsetup import lab_world_size, runs_here
+from ddplab.sync.registry import build_strategy, register_strategy, strategy_names
+from ddplab.cluster.torchrun import init_from_env
+
+_moved.install()  # old import paths fail with a message naming the new one
 
 __version__ = "0.1.0"
 __all__ = ["Cluster", "launch", "ClusterError", "CollectiveTimeout", "JobTimeout", "RankDied",
@@ -19,15 +22,15 @@ __all__ = ["Cluster", "launch", "ClusterError", "CollectiveTimeout", "JobTimeout
 
 
 def load_ipython_extension(ipython):
-    """``%load_ext ddplab``: the %ddp_* magics (ddplab.magics), imported only here
+    """``%load_ext ddplab``: the %ddp_* magics (ddplab.notebook.magics), imported only here
     so that ranks and torchrun scripts never import IPython."""
-    from .magics import load_ipython_extension as load
+    from ddplab.notebook.magics import load_ipython_extension as load
 
     load(ipython)
 
 
 def unload_ipython_extension(ipython):
-    from .magics import unload_ipython_extension as unload
+    from ddplab.notebook.magics import unload_ipython_extension as unload
 
     unload(ipython)
 
@@ -39,7 +42,7 @@ def __getattr__(name):
     # The sync names import torch (~1.5 s); load them on first use so that
     # `import ddplab` stays instant for the launcher and the magics.
     if name in _SYNC:
-        from . import sync
+        from ddplab import sync
 
         return getattr(sync, name)
     raise AttributeError(f"module 'ddplab' has no attribute {name!r}")

@@ -11,17 +11,17 @@ def main(argv=None) -> int:
     doc = sub.add_parser("doctor", help="torch version, backends, GPUs, usable CPUs, what backend='auto' picks")
     doc.add_argument("--world-size", type=int, action="append",
                      help="world size(s) to show the 'auto' choice for (repeatable)")
-    from .cli import add_arguments
+    from ddplab.cli.compare import add_arguments
 
     cmp = sub.add_parser("compare", help="every strategy side by side in one run (JSON, trace, HTML)")
     add_arguments(cmp)
     args = parser.parse_args(argv)
     if args.command == "compare":
-        from .cli import run
+        from ddplab.cli.compare import run
 
         return run(args, cmp)
     if args.command == "doctor":
-        from .doctor import main as doctor
+        from ddplab.cli.doctor import main as doctor
 
         sizes = args.world_size or [1, 2, 4, 8]
         bad = [ws for ws in sizes if ws < 1]

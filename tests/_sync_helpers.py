@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ddplab.strategies import build_strategy
+from ddplab.sync.registry import build_strategy
 from ddplab.sync import broadcast_parameters, comm
 
 IN, OUT = 6, 3

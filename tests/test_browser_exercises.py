@@ -21,7 +21,7 @@ import pytest
 
 from _browser import (ARTIFACTS, KERNEL_IDLE_JS, ROOT, chromium, jupyterlab, notebook_errors,
                       open_notebook, require_browser, run_all_cells, save_screenshots)
-from ddplab import exercises
+from ddplab.course import exercises
 
 pytestmark = pytest.mark.timeout(240)
 NAME = "02-average-gradients-vs-ddp.ipynb"

@@ -1,8 +1,8 @@
 """Labs 06 and 08's graders name each planted mistake (two spellings where a learner has two); solutions pass.
 
-Lab 06: ``checks.uneven.check_agreed_steps`` (a loop that hangs on uneven data).
+Lab 06: ``checks.hangs.check_agreed_steps`` (a loop that hangs on uneven data).
 Lab 08: ``checks.pipeline.check_pipeline_step`` (send/recv between two stages).
-Plus the pieces of ``experiments.hangs`` / ``experiments.pipeline`` the labs lean on
+Plus the pieces of ``lessons.hangs`` / ``lessons.pipeline`` the labs lean on
 that can be checked without the notebooks. Budget: ~1-2 min on 2 ranks (two
 planted hangs each wait out a 3 s collective timeout and a rank replacement).
 """
@@ -14,11 +14,12 @@ import torch
 import torch.distributed as dist
 
 import ddplab
-from ddplab.checks import CheckFailed, uneven
+from ddplab.checks import CheckFailed
+from ddplab.checks import hangs as uneven
 from ddplab.checks import mistakes as M
 from ddplab.checks import pipeline as PC
-from ddplab.experiments import hangs
-from ddplab.experiments import pipeline as P
+from ddplab.lessons import hangs
+from ddplab.lessons import pipeline as P
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 pytestmark = pytest.mark.timeout(400)

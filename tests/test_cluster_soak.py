@@ -83,7 +83,7 @@ def _replace_once(c, kind) -> None:
 
 
 def _compare(c):
-    from ddplab.experiments import compare
+    from ddplab.measure import compare
 
     result = compare(c, strategies=("manual", "bucketed"), steps=2, warmup=1, n_params=2e5,
                      link="10gbe")

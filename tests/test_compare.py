@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 import ddplab
-from ddplab.experiments.compare import compare
+from ddplab.measure.compare import compare
 from ddplab.netsim import LinkModel
 
 
@@ -215,8 +215,8 @@ def test_the_rank_side_runs_under_torchrun_without_waiting_for_a_cluster(tmp_pat
 import os, threading, time
 import torch.distributed as dist
 dist.init_process_group("gloo", init_method="file://{tmp_path}/store", rank=0, world_size=1)
-from ddplab.experiments import RunSpec
-from ddplab.experiments.compare import run_on_rank
+from ddplab.measure import RunSpec
+from ddplab.measure.compare import run_on_rank
 t0 = time.perf_counter()
 out = run_on_rank(RunSpec("manual,ddp", steps=1, n_params=1e5, world_size=1, link="1gbe"))
 links = sum(t.name == "ddplab-simulated-link" for t in threading.enumerate())

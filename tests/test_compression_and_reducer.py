@@ -11,9 +11,9 @@ import torch.distributed as dist
 
 import ddplab
 from ddplab.checks import CheckFailed, check_comm_hook
-from ddplab.checks import comm_hook as H
-from ddplab.experiments import compression as C
-from ddplab.experiments import reducer_map as R
+from ddplab.checks import compression as H
+from ddplab.lessons import compression as C
+from ddplab.lessons import reducer_map as R
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 pytestmark = pytest.mark.timeout(300)

@@ -11,8 +11,8 @@ import torch.distributed as dist
 import ddplab
 from ddplab import checks
 from ddplab.checks import data as D
-from ddplab.experiments import checkpoints as ckpt
-from ddplab.experiments import data
+from ddplab.lessons import checkpoints as ckpt
+from ddplab.lessons import data
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 pytestmark = pytest.mark.timeout(300)

@@ -20,7 +20,7 @@ import pytest
 from nbclient import NotebookClient
 
 import ddplab
-from ddplab import ddpcell
+from ddplab.notebook import ddpcell
 from ddplab.cluster import progress
 
 CELLS = [
@@ -279,7 +279,7 @@ def test_tab_and_inspect_in_a_ddp_cell_ask_rank_0_and_put_nothing_in_the_kernel(
 
 
 def test_export_prints_a_cells_last_value_and_keeps_on_cells_to_their_ranks(capsys):
-    from ddplab.export import Cell, _script_source
+    from ddplab.notebook.export import Cell, _script_source
 
     cell = Cell("<ddp-cell-3>", 'doc = """\n  kept as is\n"""\nif doc:\n    n = 2\nn * rank', "--on 1")
     code = _script_source(cell)
@@ -306,7 +306,7 @@ def test_a_progress_bar_outside_jupyter_prints_only_its_final_line(capsys):
 
 
 def test_many_ranks_fold_behind_rank_0_and_agreeing_figures_show_once(monkeypatch):
-    from ddplab import rankview
+    from ddplab.notebook import rankview
 
     shown = []
     monkeypatch.setattr(rankview, "_publish", lambda data, metadata=None: shown.append(data))

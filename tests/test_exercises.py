@@ -9,13 +9,13 @@ import nbformat
 import pytest
 
 from _kernel import execute, running_kernel
-from ddplab import exercises
+from ddplab.course import exercises
 
 LABS = exercises.LABS
 
 
 def test_every_lab_has_an_exercise_twin_in_step_with_it():
-    assert exercises.out_of_step() == [], "run: python -m ddplab.exercises"
+    assert exercises.out_of_step() == [], "run: python -m ddplab.course.exercises"
     assert len(exercises.pairs()) >= 4
 
 

@@ -109,7 +109,7 @@ def test_backend_names_read_the_device_mapped_group():
 
 
 def test_doctor_lists_each_gpu_with_free_memory_and_users(monkeypatch, capsys):
-    from ddplab import doctor
+    from ddplab.cli.compare import doctor
     from ddplab.cluster import gpus
 
     fake = _server((4242,), (), (), ()) + [GPU(4, "H100", "GPU-4", 81559, 900, None)]
@@ -164,11 +164,11 @@ def test_strict_device_check_leaves_gloo_ranks_training():
     def step():
         import torch
 
-        from ddplab.experiments import lessons
+        from ddplab.lessons import training
         from ddplab.sync import comm
 
         assert comm._REQUIRE_DEVICE_GRADS
-        return max(lessons.single_process_gap_on_rank("bucketed", steps=2))
+        return max(training.single_process_gap_on_rank("bucketed", steps=2))
 
     with ddplab.Cluster(2, env={"DDPLAB_REQUIRE_DEVICE_GRADS": "1"}) as c:
         assert max(c.run(step)) < 1e-12

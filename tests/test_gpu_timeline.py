@@ -2,7 +2,7 @@
 import pytest
 
 import ddplab
-from ddplab.experiments import compare
+from ddplab.measure import compare
 
 pytestmark = pytest.mark.gpu
 

@@ -1,7 +1,7 @@
 """make handouts: a notebook executed on a real kernel becomes a static page that keeps its figure."""
 import nbformat
 
-from ddplab import handouts
+from ddplab.course import handouts
 
 
 def _notebook(path, *cells):

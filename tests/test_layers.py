@@ -14,26 +14,39 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "ddplab"
 
-# Bottom to top. Peers share a number and may import each other.
-LAYERS = [
-    ("ddplab.clock", 0), ("ddplab.protocols", 0), ("ddplab.cluster", 0), ("ddplab.torchrun", 0),
-    ("ddplab.labsetup", 0),
-    ("ddplab.netsim", 1),
-    ("ddplab.timeline", 2),
-    ("ddplab.sync", 3), ("ddplab.strategies", 3),
-    ("ddplab.experiments", 4),
-    ("ddplab.widgets", 5),
+# Every module, bottom to top. Peers share a level and may import each other. A module that is
+# not listed has no layer and fails the test: add it here, at the level it belongs to.
+MODULES = {
+    0: {"ddplab.contracts": ["", "clock", "protocols"],
+        "ddplab.cluster": ["", "answers", "backend", "cluster", "diagnosis", "errors", "generations",
+                           "gpus", "lifecycle", "output", "process", "progress", "rendezvous",
+                           "resources", "status", "subset", "torchrun", "worker"]},
+    1: {"ddplab.netsim": ["", "costmodel", "link", "simulated"]},
+    2: {"ddplab.timeline": ["", "clock", "cuda_events", "metrics", "recorder", "records", "trace"]},
+    3: {"ddplab.sync": ["", "_common", "bucket", "bucketed", "comm", "comm_hooks", "ddp_trace",
+                        "manual", "overlap", "registry", "sparse", "unused", "unused_policy"]},
+    4: {"ddplab.measure": ["", "compare", "models", "report", "runners", "spec", "sweep"]},
+    5: {"ddplab.lessons": ["", "checkpoints", "claims", "common", "compression", "data",
+                           "firstgroup", "hangs", "pipeline", "reducer_map", "ring", "training"]},
+    6: {"ddplab.widgets": ["", "compare", "demo", "gantt", "html", "live", "panel", "scaling",
+                           "sweep"]},
+    7: {"ddplab.checks": ["", "compression", "data", "graders", "hangs", "mistakes", "on_rank",
+                          "pipeline", "ring", "watch", "workload"]},
     # the front doors: they may use everything below
-    ("ddplab.cli", 6), ("ddplab.magics", 6), ("ddplab.export", 6), ("ddplab.doctor", 6),
-    ("ddplab.checks", 6), ("ddplab.__main__", 6), ("ddplab", 6),
-]
+    8: {"ddplab.notebook": ["", "completion", "ddpcell", "export", "magics", "rankview"],
+        "ddplab.course": ["", "exercises", "handouts", "labsetup"],
+        "ddplab.cli": ["", "compare", "doctor"],
+        "ddplab": ["", "__main__", "_moved"]},
+}
+LAYERS = {f"{pkg}.{m}" if m else pkg: level
+          for level, packages in MODULES.items() for pkg, mods in packages.items() for m in mods}
 
 
 def layer_of(module: str) -> int:
-    for prefix, level in LAYERS:  # the longest prefixes come before "ddplab"
-        if module == prefix or module.startswith(prefix + "."):
-            return level
-    raise AssertionError(f"{module} has no layer: add it to LAYERS (and DESIGN.md)")
+    if module in LAYERS:
+        return LAYERS[module]
+    raise AssertionError(f"{module} has no layer: add it to MODULES in tests/test_layers.py "
+                         "(and to docs/architecture.md)")
 
 
 def module_name(path: Path) -> str:
@@ -80,6 +93,36 @@ def test_nothing_in_ddplab_imports_upward():
     assert upward_imports(sorted(PACKAGE.rglob("*.py"))) == []
 
 
+def test_every_module_has_a_layer():
+    missing = [module_name(p) for p in sorted(PACKAGE.rglob("*.py")) if module_name(p) not in LAYERS]
+    assert missing == [], f"modules with no layer (add them to MODULES): {missing}"
+
+
+def test_a_module_without_a_layer_fails(tmp_path):
+    with pytest.raises(AssertionError, match="has no layer"):
+        layer_of("ddplab.sync.brand_new")
+    with pytest.raises(AssertionError, match="has no layer"):
+        layer_of("ddplab.newtop")
+
+
+def test_no_module_imports_private_names_of_another():
+    bad = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        me = module_name(path)
+        package = me if path.name == "__init__.py" else me.rpartition(".")[0]
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if not isinstance(node, ast.ImportFrom):
+                continue
+            base = package.split(".")[:len(package.split(".")) - (node.level - 1)] if node.level else []
+            target = ".".join(base + ([node.module] if node.module else []))
+            if not target.startswith("ddplab") or target == me:
+                continue
+            for a in node.names:
+                if a.name.startswith("_") and not a.name.startswith("__"):
+                    bad.append(f"{path.relative_to(ROOT)}:{node.lineno} imports {target}.{a.name}")
+    assert bad == [], bad
+
+
 def test_the_graph_reader_catches_an_upward_import(tmp_path, monkeypatch):
     # the checker itself must fail where the old code did (netsim imported sync)
     source = "def f():\n    from ..sync import comm\n    from ..timeline.clock import now\n"
@@ -87,6 +130,7 @@ def test_the_graph_reader_catches_an_upward_import(tmp_path, monkeypatch):
     probe.parent.mkdir(parents=True)
     probe.write_text(source)
     monkeypatch.setitem(globals(), "ROOT", tmp_path)
+    monkeypatch.setitem(LAYERS, "ddplab.netsim.probe", LAYERS["ddplab.netsim"])
     for sub in ("sync", "timeline"):
         (tmp_path / "ddplab" / sub).mkdir()
     (tmp_path / "ddplab" / "sync" / "comm.py").write_text("")

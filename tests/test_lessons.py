@@ -3,7 +3,7 @@ import pytest
 import torch
 
 import ddplab
-from ddplab.experiments import lessons as L
+from ddplab.lessons import training as L
 
 
 @pytest.fixture(scope="module")

@@ -18,7 +18,7 @@ from nbclient import NotebookClient
 import ddplab
 
 # `%load_ext ddplab` once ddplab/__init__.py re-exports load_ipython_extension.
-EXT = "ddplab" if hasattr(ddplab, "load_ipython_extension") else "ddplab.magics"
+EXT = "ddplab" if hasattr(ddplab, "load_ipython_extension") else "ddplab.notebook.magics"
 
 CELLS = [
     # 0: the kernel must be this interpreter (the project's venv), not whatever python is on PATH

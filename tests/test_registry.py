@@ -12,8 +12,8 @@ import torch
 import torch.distributed as dist
 
 import ddplab
-from ddplab.experiments import RunSpec, compare
-from ddplab.strategies import (Built, build_strategy, get_strategy, register_strategy,
+from ddplab.measure import RunSpec, compare
+from ddplab.sync.registry import (Built, build_strategy, get_strategy, register_strategy,
                                strategy_names, unregister_strategy)
 from ddplab.sync import comm
 

@@ -13,7 +13,8 @@ import torch
 import torch.distributed as dist
 
 import ddplab
-from ddplab import checks, firstgroup, ring
+from ddplab import checks
+from ddplab.lessons import firstgroup, ring
 from ddplab.checks import ring as R
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])

@@ -2,7 +2,7 @@
 import pytest
 
 import ddplab
-from ddplab.experiments.sweep import bucket_sweep, scaling
+from ddplab.measure.sweep import bucket_sweep, scaling
 
 
 def test_bucket_sweep_measures_and_predicts_on_a_simulated_link():

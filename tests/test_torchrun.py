@@ -18,8 +18,8 @@ import uuid
 import pytest
 import torch
 
-from ddplab import export
-from ddplab.torchrun import REQUIRED, TorchrunEnvError, init_from_env, read_env
+from ddplab.notebook import export
+from ddplab.cluster.torchrun import REQUIRED, TorchrunEnvError, init_from_env, read_env
 
 CELL_1 = """import torch
 import torch.distributed as dist
@@ -87,7 +87,7 @@ def test_pushed_values_are_reproduced_or_clearly_marked():
     assert "big = _ddp_pushed['big#3']" in text and torch.equal(saved["big#3"], torch.ones(500))
     assert "raise NotImplementedError('make was pushed from the notebook (a function)" in text
     assert text.index(CELL_1.strip()) < text.index("scale = 3") < text.index(CELL_2.strip())
-    assert text.rstrip().endswith("ddplab.torchrun.finish()")
+    assert text.rstrip().endswith("ddplab.cluster.torchrun.finish()")
 
 
 def test_exported_script_on_two_nodes(tmp_path):

@@ -190,7 +190,7 @@ def test_scaling_efficiency_and_the_oversubscription_line():
         efficiency({1: 1}, "medium")
     result = {"rows": [{"world_size": 1, "strong_step_ms": 10, "weak_step_ms": 10},
                        {"world_size": 4, "strong_step_ms": 5, "weak_step_ms": 20}], "usable_cpus": 2}
-    fig = scaling_figure(result)  # as ddplab.experiments.sweep.scaling returns
+    fig = scaling_figure(result)  # as ddplab.measure.sweep.scaling returns
     assert list(fig.data[0].y) == pytest.approx([100, 50]) and list(fig.data[1].y) == pytest.approx([100, 50])
 
 
@@ -314,8 +314,8 @@ def test_a_bad_setting_is_reported_by_the_panel_before_the_runner_runs():
 def test_default_runner_uses_the_live_cluster_when_its_size_matches(monkeypatch):
     import importlib
 
-    # the module, not the function ddplab.experiments re-exports under the same name
-    engine = importlib.import_module("ddplab.experiments.compare")
+    # the module, not the function ddplab.measure re-exports under the same name
+    engine = importlib.import_module("ddplab.measure.compare")
 
     calls = []
 

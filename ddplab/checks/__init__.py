@@ -27,32 +27,32 @@ principle, but are tested on gloo only).
 References: Stanford CS336 assignment 2 (DDP tests against a single
 process, tied and frozen parameters); torch/testing/_internal/distributed.
 """
-from .graders import (CheckResult, attempt, check_average_gradients, check_bucketed_ddp,
+from ddplab.checks.graders import (CheckResult, attempt, check_average_gradients, check_bucketed_ddp,
                       check_no_sync, check_overlap_ddp, passed, run_exercise, yours_or_ours)
-from .mistakes import CheckFailed
-from .workload import loss_fn
+from ddplab.checks.mistakes import CheckFailed
+from ddplab.checks.workload import loss_fn
 
 __all__ = ["check_average_gradients", "check_overlap_ddp", "check_bucketed_ddp", "check_no_sync",
            "CheckFailed", "CheckResult", "passed", "yours_or_ours", "loss_fn", "attempt",
            "run_exercise"]
 
 # lab 00: the ring all-reduce
-from .ring import check_ring_all_reduce  # noqa: E402
+from ddplab.checks.ring import check_ring_all_reduce  # noqa: E402
 
 __all__ += ["check_ring_all_reduce"]
 
 # lab 05: data and checkpoints
-from .data import check_batch_stats, check_sampler_indices  # noqa: E402
+from ddplab.checks.data import check_batch_stats, check_sampler_indices  # noqa: E402
 
 __all__ += ["check_sampler_indices", "check_batch_stats"]
 
 # lab 07: a comm hook on torch DDP (its own module: it grades a different kind of code)
-from .comm_hook import check_comm_hook  # noqa: E402
+from ddplab.checks.compression import check_comm_hook  # noqa: E402
 
 __all__ += ["check_comm_hook"]
 
 # labs 06 and 08: a loop that agrees on its step count; send/recv between pipeline stages
-from .pipeline import check_pipeline_step  # noqa: E402
-from .uneven import check_agreed_steps  # noqa: E402
+from ddplab.checks.pipeline import check_pipeline_step  # noqa: E402
+from ddplab.checks.hangs import check_agreed_steps  # noqa: E402
 
 __all__ += ["check_pipeline_step", "check_agreed_steps"]

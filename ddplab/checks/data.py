@@ -20,9 +20,9 @@ and the running-statistics update.
 """
 from __future__ import annotations
 
-from ..cluster.errors import RankError
-from . import graders
-from .mistakes import EXPLAIN, NOT_IMPLEMENTED, WRONG, CheckFailed
+from ddplab.cluster.errors import RankError
+from ddplab.checks import graders
+from ddplab.checks.mistakes import EXPLAIN, NOT_IMPLEMENTED, WRONG, CheckFailed
 
 NO_PADDING = "no padding: ranks get different numbers of samples"
 PAD_FROM_END = "padded with the wrong indices"
@@ -59,7 +59,7 @@ SAMPLER_CASES = [(10, 4), (8, 4), (7, 2), (3, 8), (11, 3)]
 
 def check_sampler_indices(fn) -> None:
     """Grade ``fn(dataset_len, world_size, rank, drop_last)`` against DistributedSampler."""
-    from ..experiments.data import sampler_indices
+    from ddplab.lessons.data import sampler_indices
 
     graders.passed["sampler"] = False
     for n, world in SAMPLER_CASES:
@@ -95,7 +95,7 @@ def stats_on_rank(fn):
     import torch
     import torch.distributed as dist
 
-    from ..cluster.backend import device
+    from ddplab.cluster.backend import device
 
     rank, p = dist.get_rank(), dist.get_world_size()
     x = _rank_batch(rank).to(device())

@@ -21,9 +21,9 @@ from __future__ import annotations
 import dataclasses
 import linecache
 
-from ..cluster.errors import JobTimeout, RankError
-from . import workload as W
-from .mistakes import HUNG, NOT_IMPLEMENTED, CheckFailed, diagnose
+from ddplab.cluster.errors import JobTimeout, RankError
+from ddplab.checks import workload as W
+from ddplab.checks.mistakes import HUNG, NOT_IMPLEMENTED, CheckFailed, diagnose
 
 passed: dict = {}  # exercise -> True / False (last verdict in this kernel)
 TITLES = {"all_reduce": "all_reduce", "average_gradients": "average_gradients", "overlap": "OverlapDDP",
@@ -39,7 +39,7 @@ class CheckResult:
 
     def timelines(self) -> dict:
         """``{"yours": Timeline, "torch DDP": Timeline}`` on rank 0's clock."""
-        from ..timeline import Timeline
+        from ddplab.timeline import Timeline
 
         offsets = {int(k): v for k, v in self.per_rank[0]["clock"]["offsets"].items()}
         out = {}
@@ -50,7 +50,7 @@ class CheckResult:
         return out
 
     def figure(self):
-        from ..widgets import compare_timelines_figure
+        from ddplab.widgets import compare_timelines_figure
 
         fig = compare_timelines_figure(self.timelines())
         fig.update_layout(title=f"{TITLES[self.exercise]}: your timeline next to torch DDP's "
@@ -72,7 +72,7 @@ def _config(cluster, learner, what, steps, timeout, **extra) -> dict:
 
 
 def _run(cluster, exercise: str, learner, cfg: dict, draw: bool) -> CheckResult:
-    from . import on_rank
+    from ddplab.checks import on_rank
 
     passed[exercise] = False
     try:
@@ -102,7 +102,7 @@ def _from_rank_error(err: RankError) -> Exception:
                      f'{(line or linecache.getline(f, n)).strip()}' for f, n, name, line in first.frames]
             return CheckFailed(first.mistake, first.detail + "\nwhere, in your code:\n" + "\n".join(lines))
         return CheckFailed(first.mistake, first.detail)
-    from .watch import Stalled
+    from ddplab.checks.watch import Stalled
 
     stalled = {r: e for r, e in exceptions.items() if isinstance(e, Stalled)}
     if stalled or isinstance(err, JobTimeout):
@@ -175,7 +175,7 @@ def check_overlap_ddp(cluster, cls, *, steps: int = 3, timeout: float = 15.0, dr
 def check_bucketed_ddp(cluster, cls, *, steps: int = 3, timeout: float = 15.0, draw: bool = True):
     """Grade ``cls(module, bucket_cap_mb)``: as ``check_overlap_ddp``, with gradients in
     buckets (``ddplab.sync.assign_buckets``' rule), each launched once ready, in index order."""
-    from ..sync.bucket import assign_buckets
+    from ddplab.sync.bucket import assign_buckets
 
     params = [p for _, p in W.trainable(W.graded_model(W.SEED))]
     layout = assign_buckets(params, W.BUCKET_CAP_MB)

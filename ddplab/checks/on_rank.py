@@ -28,11 +28,11 @@ import traceback
 import torch
 import torch.distributed as dist
 
-from ..timeline.clock import estimate_offsets
-from ..timeline.recorder import Recorder
-from . import workload as W
-from .mistakes import NOT_IMPLEMENTED, RAISED, CheckFailed
-from .watch import Stalled, Watch
+from ddplab.timeline.clock import estimate_offsets
+from ddplab.timeline.recorder import Recorder
+from ddplab.checks import workload as W
+from ddplab.checks.mistakes import NOT_IMPLEMENTED, RAISED, CheckFailed
+from ddplab.checks.watch import Stalled, Watch
 
 
 def call(where: str, fn, *args):
@@ -208,7 +208,7 @@ def _observed_allreduce(group, bucket):
 def grade_accumulation(fn, cfg) -> dict:
     """``fn(model, optimizer, micro_batches)``: one optimizer step over the micro-batches,
     with ``model`` a torch DistributedDataParallel."""
-    from ..strategies import build_strategy
+    from ddplab.sync.registry import build_strategy
 
     rank, n = dist.get_rank(), cfg["n_micro"]
     inner = W.graded_model(W.SEED + rank)

@@ -9,7 +9,7 @@ Rank 1 returns the loss.
 ``check_pipeline_step(cluster, fn)`` runs it in float64 next to the whole
 model in one process (same weights, same batch) and checks every
 parameter's gradient on both stages, the loss, and the bytes each rank sent
-(``ddplab.experiments.pipeline.p2p_counting``): one activation forward and
+(``ddplab.lessons.pipeline.p2p_counting``): one activation forward and
 one gradient backward, ``batch x hidden x 8`` bytes each.
 
 Mistakes it names (each planted in tests/test_checks_labs06_08.py):
@@ -21,9 +21,9 @@ Leaves out: micro-batches and schedules (GPipe, 1F1B), more than 2 stages.
 """
 from __future__ import annotations
 
-from ..cluster.errors import RankError
-from .graders import passed  # exercise -> last verdict in this kernel
-from .mistakes import HUNG, NOT_IMPLEMENTED, CheckFailed
+from ddplab.cluster.errors import RankError
+from ddplab.checks.graders import passed  # exercise -> last verdict in this kernel
+from ddplab.checks.mistakes import HUNG, NOT_IMPLEMENTED, CheckFailed
 
 NO_REQUIRES_GRAD = "the received activation does not require grad"
 NO_STAGE0_BACKWARD = "stage 0 got no gradient"
@@ -36,7 +36,7 @@ def _grade_on_rank(fn, batch_size: int, hang_s: float) -> dict:
     import torch
     import torch.distributed as dist
 
-    from ..experiments import pipeline as P
+    from ddplab.lessons import pipeline as P
 
     rank = dist.get_rank()
     if rank > 1:

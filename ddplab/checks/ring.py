@@ -5,7 +5,7 @@ Cluster of at least 3 ranks, on float64 tensors whose lengths do not divide by
 the world size, holding whole numbers (so every order of addition gives the
 same sum exactly). It compares each rank's tensor afterwards with what
 ``dist.all_reduce`` (SUM, in place) gives on the same data, and counts the
-bytes each rank sent (``ddplab.ring.watch_p2p``). Inside the check a blocking
+bytes each rank sent (``ddplab.lessons.ring.watch_p2p``). Inside the check a blocking
 ``send`` waits for its receiver, as on NCCL, so a ring in which every rank
 sends first stops after ``timeout`` seconds with a message instead of hanging.
 
@@ -23,9 +23,9 @@ from __future__ import annotations
 import traceback
 import uuid
 
-from ..cluster.errors import RankError
-from . import graders
-from .mistakes import EXPLAIN, NOT_IMPLEMENTED, RAISED, WRONG, CheckFailed
+from ddplab.cluster.errors import RankError
+from ddplab.checks import graders
+from ddplab.checks.mistakes import EXPLAIN, NOT_IMPLEMENTED, RAISED, WRONG, CheckFailed
 
 COLLECTIVE = "a collective instead of send/recv"
 DEADLOCK = "deadlock: every rank sends first"
@@ -75,8 +75,8 @@ def grade_on_rank(fn, cfg: dict) -> list:
     import torch
     import torch.distributed as dist
 
-    from .. import ring as R
-    from ..cluster.backend import device
+    from ddplab.lessons import ring as R
+    from ddplab.cluster.backend import device
 
     rank, p = dist.get_rank(), dist.get_world_size()
     cases = []
@@ -167,7 +167,7 @@ def diagnose(per_rank: list) -> str:
     for i in range(len(per_rank[0])):
         cases = [r[i] for r in per_rank if i < len(r)]
         _diagnose_case(cases, p)
-    from ..ring import ring_bytes_model
+    from ddplab.lessons.ring import ring_bytes_model
 
     lines = [f"ring all-reduce: passed on {p} ranks, float64, lengths "
              f"{', '.join(str(c['n']) for c in per_rank[0])} (none divisible by {p}); "
@@ -230,7 +230,7 @@ def _diagnose_case(cases, p):
         raise CheckFailed(WRONG, f"rank {r} {where}: {len(wrong)} of {n} elements differ from "
                           f"dist.all_reduce, first at index {wrong[0]}: got {out[wrong[0]].item():g}, "
                           f"expected {ref[wrong[0]].item():g}.")
-    from ..ring import ring_bytes_model
+    from ddplab.lessons.ring import ring_bytes_model
 
     element_size = cases[0]["element_size"]
     limit = ring_bytes_model(n, element_size, p) + 2 * (p - 1) * element_size  # uneven chunks

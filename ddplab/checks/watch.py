@@ -40,7 +40,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d
 
-from ..timeline.clock import now
+from ddplab.timeline.clock import now
 
 OBSERVED = ("all_reduce", "broadcast", "all_gather", "all_gather_into_tensor", "reduce",
             "reduce_scatter_tensor", "barrier")

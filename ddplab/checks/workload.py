@@ -123,7 +123,7 @@ def references(steps: int, n_micro: int = 1, group=None, recorder=None) -> dict:
     """
     import torch.distributed as dist
 
-    from ..strategies import build_strategy
+    from ddplab.sync.registry import build_strategy
 
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     # torch DDP as every other part of ddplab builds it: through the registry

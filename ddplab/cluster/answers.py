@@ -17,8 +17,8 @@ import sys
 import time
 from multiprocessing.connection import wait
 
-from . import diagnosis, lifecycle
-from .errors import ClusterError
+from ddplab.cluster import diagnosis, lifecycle
+from ddplab.cluster.errors import ClusterError
 
 GRACE_S = 3.0  # how long healthy ranks get to finish once one rank has failed
 

@@ -79,9 +79,16 @@ def describe(group=None) -> str:
 
 
 def device(group=None):
-    """Where this rank's model and data belong: its GPU under nccl, else the CPU."""
-    import torch
+    """Where this rank's model and data belong: its GPU under nccl, else the CPU.
 
+    The one device helper of the package. Outside a process group (one process, a test,
+    the kernel) it is the CPU.
+    """
+    import torch
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        return torch.device("cpu")
     if backend_name(group) == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")

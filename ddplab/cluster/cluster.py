@@ -49,12 +49,12 @@ import threading
 import time
 import weakref
 
-from . import diagnosis, lifecycle, resources, subset
-from . import gpus as gpu_placement
-from .errors import ClusterError, CollectiveTimeout, JobTimeout, RankDied, RankError
-from .answers import GRACE_S, collect_answers  # noqa: F401 - GRACE_S kept importable here
-from .generations import Generations
-from .process import RankProcesses
+from ddplab.cluster import diagnosis, lifecycle, resources, subset
+from ddplab.cluster import gpus as gpu_placement
+from ddplab.cluster.errors import ClusterError, CollectiveTimeout, JobTimeout, RankDied, RankError
+from ddplab.cluster.answers import GRACE_S, collect_answers  # noqa: F401 - GRACE_S kept importable here
+from ddplab.cluster.generations import Generations
+from ddplab.cluster.process import RankProcesses
 
 _live: "weakref.WeakSet[Cluster]" = weakref.WeakSet()
 
@@ -203,7 +203,7 @@ class Cluster:
     def status(self):
         """Each rank's pid, device, memory and job, with the backend, timeout and
         generation (how many times the ranks were started before these)."""
-        from .status import cluster_status
+        from ddplab.cluster.status import cluster_status
 
         return cluster_status(self)
 

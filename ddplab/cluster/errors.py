@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import linecache
 
-from . import diagnosis
+from ddplab.cluster import diagnosis
 
 
 class ClusterError(RuntimeError):

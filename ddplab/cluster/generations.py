@@ -21,11 +21,11 @@ from __future__ import annotations
 import itertools
 import time
 
-from . import lifecycle
-from .errors import ClusterError
-from .output import RankOutput
-from .process import RankProcesses
-from .rendezvous import PrivateRendezvous
+from ddplab.cluster import lifecycle
+from ddplab.cluster.errors import ClusterError
+from ddplab.cluster.output import RankOutput
+from ddplab.cluster.process import RankProcesses
+from ddplab.cluster.rendezvous import PrivateRendezvous
 
 
 class Generations:

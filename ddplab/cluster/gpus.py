@@ -138,7 +138,7 @@ def _int(text: str) -> int | None:
 
 def _from_torch() -> list[GPU]:
     # No nvidia-smi: count with torch (no CUDA context) and admit we know nothing else.
-    from .resources import visible_gpus
+    from ddplab.cluster.resources import visible_gpus
 
     return [GPU(i, pids=None, note="no nvidia-smi: memory and users unknown")
             for i in range(visible_gpus())]

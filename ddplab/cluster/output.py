@@ -28,7 +28,7 @@ import collections
 import queue
 import sys
 
-from .progress import LiveLines, visible
+from ddplab.cluster.progress import LiveLines, visible
 
 HEAD_BYTES = 512 * 1024  # per rank per job, shown as it arrives
 TAIL_BYTES = 512 * 1024  # per rank per job, shown when the job ends

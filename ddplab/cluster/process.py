@@ -35,8 +35,8 @@ import threading
 import time
 from multiprocessing.connection import Connection
 
-from .output import OutputBudget
-from .worker import CONFIG_VAR
+from ddplab.cluster.output import OutputBudget
+from ddplab.cluster.worker import CONFIG_VAR
 
 
 class RankProcesses:

@@ -141,7 +141,7 @@ def choose_backend(backend: str, world_size: int, gpus: int | None = None) -> st
         return "nccl" if gpus >= world_size else "gloo"
     if backend == "nccl":
         if gpus < world_size:
-            from .gpus import too_few
+            from ddplab.cluster.gpus import too_few
 
             raise ValueError(too_few(world_size, gpus))
     return backend

@@ -181,7 +181,7 @@ def _init_group(cfg: dict) -> None:
     import torch
     import torch.distributed as dist
 
-    from .backend import init_group
+    from ddplab.cluster.backend import init_group
 
     torch.set_num_threads(cfg["threads"])
     # A fresh file in a mode-0700 directory: no listener, nothing another user can open.

@@ -1,4 +1,4 @@
 """Simulated links (clearly labelled) and the alpha-beta cost model fitted to real gloo."""
-from .link import PRESETS, LinkModel, LinkQueue
+from ddplab.netsim.link import PRESETS, LinkModel, LinkQueue
 
 __all__ = ["PRESETS", "LinkModel", "LinkQueue"]

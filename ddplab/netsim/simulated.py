@@ -11,7 +11,7 @@ Nothing ever sleeps inside an autograd hook.
 Install with ``ddplab.sync.comm.using_link(SimulatedLink(model, world_size))``
 on every rank (a ``with`` block), ``close()`` the link afterwards (its clock
 thread then ends), and label every result "simulated". This module knows the
-choke point only through ``ddplab.protocols.Link``: it imports nothing above
+choke point only through ``ddplab.contracts.protocols.Link``: it imports nothing above
 itself.
 
 Leaves out: the link's effect on the real transfer itself (the two simply
@@ -25,8 +25,8 @@ import threading
 
 import torch
 
-from ..clock import now
-from .link import LinkModel, LinkQueue
+from ddplab.contracts.clock import now
+from ddplab.netsim.link import LinkModel, LinkQueue
 
 
 class SimulatedWork:
@@ -120,7 +120,7 @@ class _LinkClock:
 
 
 class SimulatedLink:
-    """A ``ddplab.protocols.Link``: ``wrap(work, nbytes, group)``; ``close()`` when done."""
+    """A ``ddplab.contracts.protocols.Link``: ``wrap(work, nbytes, group)``; ``close()`` when done."""
 
     simulated = True
 

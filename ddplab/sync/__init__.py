@@ -19,12 +19,12 @@ Every collective goes through ``ddplab.sync.comm`` (bytes counted, optional
 recorder, the place a simulated link attaches). These modules know nothing
 about notebooks or clusters: they take a module and an optional process group.
 """
-from . import comm, comm_hooks
-from .bucket import MB, assign_buckets
-from .bucketed import BucketedDDP
-from .comm import ListRecorder, counting
-from .manual import average_gradients, broadcast_parameters
-from .overlap import OverlapDDP
+from ddplab.sync import comm, comm_hooks
+from ddplab.sync.bucket import MB, assign_buckets
+from ddplab.sync.bucketed import BucketedDDP
+from ddplab.sync.comm import ListRecorder, counting
+from ddplab.sync.manual import average_gradients, broadcast_parameters
+from ddplab.sync.overlap import OverlapDDP
 
 __all__ = ["average_gradients", "broadcast_parameters", "OverlapDDP", "BucketedDDP", "comm",
            "comm_hooks", "counting", "ListRecorder", "assign_buckets", "MB"]

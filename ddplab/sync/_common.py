@@ -67,8 +67,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from . import comm
-from .unused import output_tensors
+from ddplab.sync import comm
+from ddplab.sync.unused import output_tensors
 
 HOW_TO_START = ("Start ranks first: ddplab.Cluster(world_size=2) then cluster.run(fn), or "
                 "ddplab.launch(fn, world_size=2); under torchrun call ddplab.init_from_env() "

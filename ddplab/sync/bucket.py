@@ -82,8 +82,8 @@ import numbers
 
 import torch
 
-from . import comm
-from .sparse import not_sparse_error
+from ddplab.sync import comm
+from ddplab.sync.sparse import not_sparse_error
 
 MB = 2 ** 20  # bucket_cap_mb is in MiB, as in torch
 # torch's first bucket when bucket_cap_mb is left at None

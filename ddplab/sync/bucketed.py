@@ -73,11 +73,11 @@ from __future__ import annotations
 
 import torch
 
-from ._common import GradSyncModule
-from .bucket import Bucket, assign_buckets, check_bucket_cap
-from .comm_hooks import check_hook, run_hook
-from .sparse import SparseBucket, sparse_parameter_ids
-from .unused_policy import EveryParameterUsed, unused_policy
+from ddplab.sync._common import GradSyncModule
+from ddplab.sync.bucket import Bucket, assign_buckets, check_bucket_cap
+from ddplab.sync.comm_hooks import check_hook, run_hook
+from ddplab.sync.sparse import SparseBucket, sparse_parameter_ids
+from ddplab.sync.unused_policy import EveryParameterUsed, unused_policy
 
 
 class BucketedDDP(GradSyncModule):

@@ -42,13 +42,13 @@ from collections import Counter
 import torch
 import torch.distributed as dist
 
-from ..clock import now
-from ..protocols import EventRecorder, Link  # noqa: F401 - EventRecorder: what recorders look like
+from ddplab.contracts.clock import now
+from ddplab.contracts.protocols import EventRecorder, Link  # noqa: F401 - EventRecorder: what recorders look like
 
-# Stamps are seconds on this rank's clock (ddplab.clock, the one clock every
+# Stamps are seconds on this rank's clock (ddplab.contracts.clock, the one clock every
 # layer shares); ddplab.timeline moves them onto rank 0's clock later.
 
-# What a recorder receives (``ddplab.protocols.EventRecorder``:
+# What a recorder receives (``ddplab.contracts.protocols.EventRecorder``:
 # ``record(event, t, **info)``, ``t`` from ``now()``):
 # - "grad_ready": bucket, param (name): a gradient is final for this backward;
 # - "launch": bucket, kind, nbytes, params (names): handed to the backend;
@@ -143,7 +143,7 @@ def _count(kind, nbytes, bucket):
 
 # ----------------------------------------------------------------------------
 # SIMULATED LINK: ddplab.netsim attaches here, and nowhere else.
-# ``set_link(link)`` installs a ``ddplab.protocols.Link``: ``wrap(work, nbytes,
+# ``set_link(link)`` installs a ``ddplab.contracts.protocols.Link``: ``wrap(work, nbytes,
 # group)`` returns a work completing no earlier than the modelled transfer.
 # The delay lives in that returned object, never in a sleep inside a hook, so
 # overlap with backward stays honest.
@@ -155,7 +155,7 @@ def set_link(link) -> None:
     """Install (or, with ``None``, remove) a simulated link for this process."""
     global _link
     if link is not None and not isinstance(link, Link):
-        raise TypeError(f"a link needs wrap(work, nbytes, group) (ddplab.protocols.Link); got {link!r}")
+        raise TypeError(f"a link needs wrap(work, nbytes, group) (ddplab.contracts.protocols.Link); got {link!r}")
     _link = link
 
 
@@ -207,7 +207,7 @@ _REQUIRE_DEVICE_GRADS = os.environ.get("DDPLAB_REQUIRE_DEVICE_GRADS") == "1"
 
 
 def _check_device(tensor, group, kind) -> None:
-    from ..cluster.backend import backend_name
+    from ddplab.cluster.backend import backend_name
 
     if kind == "grad" and tensor.device.type == "cpu" and backend_name(group) == "nccl":
         raise RuntimeError(

@@ -50,7 +50,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from . import comm
+from ddplab.sync import comm
 
 
 class GradBucket:

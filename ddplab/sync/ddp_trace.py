@@ -33,7 +33,7 @@ _get_ddp_logging_data); torch/csrc/distributed/c10d/reducer.cpp.
 """
 from __future__ import annotations
 
-from . import comm
+from ddplab.sync import comm
 
 
 def choke_point_hook(process_group, bucket):

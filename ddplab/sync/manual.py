@@ -36,8 +36,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from . import comm
-from ._common import require_process_group, source_rank
+from ddplab.sync import comm
+from ddplab.sync._common import require_process_group, source_rank
 
 
 def _grads(model: nn.Module):

@@ -55,8 +55,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from . import comm
-from ._common import GradSyncModule
+from ddplab.sync import comm
+from ddplab.sync._common import GradSyncModule
 
 
 class OverlapDDP(GradSyncModule):

@@ -28,7 +28,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from . import comm
+from ddplab.sync import comm
 
 
 def sparse_parameter_ids(module: nn.Module) -> set:

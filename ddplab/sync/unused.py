@@ -44,7 +44,7 @@ import dataclasses
 
 import torch
 
-from . import comm
+from ddplab.sync import comm
 
 
 def output_tensors(obj) -> list:

@@ -40,7 +40,7 @@ References: torch/csrc/distributed/c10d/reducer.cpp (``prepare_for_backward``,
 """
 from __future__ import annotations
 
-from .unused import UsedMap, unused_parameters
+from ddplab.sync.unused import UsedMap, unused_parameters
 
 _NONE = frozenset()
 

@@ -24,7 +24,7 @@ torch.distributed Work.wait semantics on NCCL (stream wait, not host wait).
 """
 from __future__ import annotations
 
-from .clock import now
+from ddplab.timeline.clock import now
 
 
 class CudaStamps:

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import statistics
 
-from .records import Timeline
+from ddplab.timeline.records import Timeline
 
 
 def union(intervals):

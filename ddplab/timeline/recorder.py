@@ -22,8 +22,8 @@ from __future__ import annotations
 import contextlib
 import threading
 
-from .clock import now
-from .records import BucketRecord, IterationRecord, Timeline
+from ddplab.timeline.clock import now
+from ddplab.timeline.records import BucketRecord, IterationRecord, Timeline
 
 
 class Recorder:
@@ -38,7 +38,7 @@ class Recorder:
         # may arrive just after the loop moved on to the next iteration (a future's
         # callbacks can run after wait() has returned), and still finds its record.
         self._in_flight: dict[int, list] = {}
-        # On GPUs: a ddplab.timeline.cuda_events.CudaStamps (ddplab.protocols'
+        # On GPUs: a ddplab.timeline.cuda_events.CudaStamps (ddplab.contracts.protocols'
         # DeviceTimer); the choke point then times all-reduces with CUDA events,
         # resolved at the end of each iteration.
         self.device_timer = None

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import json
 
-from .records import Timeline
+from ddplab.timeline.records import Timeline
 
 
 def to_chrome_trace(timelines, origin: float | None = None) -> dict:

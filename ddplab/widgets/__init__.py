@@ -13,13 +13,13 @@
 Nothing here trains or imports torch.distributed; torch code never imports
 this package.
 """
-from .compare import compare_figures, compare_timelines_figure, metrics_figure
-from .gantt import bucket_color, timeline_figure
-from .html import compare_page, compare_report, to_html, write_html
-from .live import refresh
-from .panel import ControlPanel
-from .scaling import efficiency, scaling_figure
-from .sweep import sweep_figure
+from ddplab.widgets.compare import compare_figures, compare_timelines_figure, metrics_figure
+from ddplab.widgets.gantt import bucket_color, timeline_figure
+from ddplab.widgets.html import compare_page, compare_report, to_html, write_html
+from ddplab.widgets.live import refresh
+from ddplab.widgets.panel import ControlPanel
+from ddplab.widgets.scaling import efficiency, scaling_figure
+from ddplab.widgets.sweep import sweep_figure
 
 __all__ = ["timeline_figure", "bucket_color", "compare_figures", "compare_timelines_figure",
            "metrics_figure", "sweep_figure", "scaling_figure", "efficiency",

@@ -20,8 +20,8 @@ from __future__ import annotations
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-from ..timeline import Timeline
-from .gantt import (flagged_spans, gantt_traces, mark_flagged, origin_of, run_labels,
+from ddplab.timeline import Timeline
+from ddplab.widgets.gantt import (flagged_spans, gantt_traces, mark_flagged, origin_of, run_labels,
                     select_iterations, style_rows)
 
 METRICS = (("step_ms", "step time", "#4a4a4a"),

@@ -12,7 +12,7 @@ other ranks wait for it.
 Everything is deterministic: ``DemoRunner`` varies its timings a little from
 call to call (as real runs do) from a seed that is the call number.
 
-Leaves out: everything measured. Use ``ddplab.experiments.compare`` for that.
+Leaves out: everything measured. Use ``ddplab.measure.compare`` for that.
 References: torch's Reducer (bucket order, the rebuild after iteration 0);
 ddplab.netsim.link for the alpha-beta transfer time.
 """
@@ -21,9 +21,9 @@ from __future__ import annotations
 import math
 import random
 
-from ..netsim import LinkModel
-from ..strategies import get_strategy
-from ..timeline import BucketRecord, IterationRecord, Timeline, add_saved_ms, summarize
+from ddplab.netsim import LinkModel
+from ddplab.sync.registry import get_strategy
+from ddplab.timeline import BucketRecord, IterationRecord, Timeline, add_saved_ms, summarize
 
 FAKE_CPU_BYTES_PER_S = 1.5e9  # an invented "real gloo on CPU" speed
 
@@ -34,7 +34,7 @@ def synthetic_timeline(strategy="bucketed", world_size=2, n_iterations=4, n_para
     """A Timeline shaped like ``strategy``'s (times in seconds from 0)."""
     rng = random.Random(f"{strategy}-{seed}")
     link = LinkModel.parse(link)
-    shape = get_strategy(strategy).shape  # how its communication sits (ddplab.strategies)
+    shape = get_strategy(strategy).shape  # how its communication sits (ddplab.sync.registry)
     total_bytes = int(4 * n_params)
     layers = 8
     layer_bytes = total_bytes // layers
@@ -111,7 +111,7 @@ def synthetic_timeline(strategy="bucketed", world_size=2, n_iterations=4, n_para
 
 
 class DemoRunner:
-    """A stand-in for ``ddplab.experiments.compare`` with the panel's calling convention.
+    """A stand-in for ``ddplab.measure.compare`` with the panel's calling convention.
 
     ``runner(**config) -> {"timelines": {name: Timeline}, "metrics": {name: dict}}``;
     remembers every config it was called with (``.configs``).

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import plotly.graph_objects as go
 
-from ..timeline import Timeline
+from ddplab.timeline import Timeline
 
 PHASE_COLORS = {"forward": "#9ecae1", "backward": "#2b6cb0", "wait": "#e2e2e2", "step": "#41ab5d"}
 PHASE_LABELS = {"forward": "forward", "backward": "backward", "wait": "waiting for all-reduce",

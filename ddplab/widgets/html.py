@@ -18,8 +18,8 @@ from pathlib import Path
 import plotly.graph_objects as go
 import plotly.io as pio
 
-from .compare import compare_figures, normalize_result
-from .gantt import timeline_figure
+from ddplab.widgets.compare import compare_figures, normalize_result
+from ddplab.widgets.gantt import timeline_figure
 
 _PAGE = """<!DOCTYPE html>
 <html><head><meta charset="utf-8"><title>{title}</title>

@@ -3,12 +3,12 @@
 Teaches by letting a learner ask "what if?" quickly: smaller buckets, a
 bigger model, a straggler, a 1 GbE link. The panel only reads widget values
 into a plain config dict (the model), checks it by building the run's
-``ddplab.experiments.RunSpec`` (the same object the CLI and the ranks use),
+``ddplab.measure.RunSpec`` (the same object the CLI and the ranks use),
 hands it to a runner, and draws what comes back (the view); it never trains
 and never touches torch.distributed. Its strategy boxes list the registry
-(``ddplab.strategies``), so a strategy registered in a notebook cell shows up
+(``ddplab.sync.registry``), so a strategy registered in a notebook cell shows up
 in a panel made after it, and runs on the ranks.
-The runner is ``ddplab.experiments.compare`` on the live Cluster by default,
+The runner is ``ddplab.measure.compare`` on the live Cluster by default,
 or anything with its calling convention:
 
     runner(**config) -> {"timelines": {name: Timeline}, "metrics": {name: dict}}
@@ -39,10 +39,10 @@ import traceback
 
 import ipywidgets as W
 
-from ..netsim import PRESETS
-from ..strategies import strategy_names
-from .compare import compare_figures, normalize_result
-from .live import FitWidth, live_figure, placeholder, refresh
+from ddplab.netsim import PRESETS
+from ddplab.sync.registry import strategy_names
+from ddplab.widgets.compare import compare_figures, normalize_result
+from ddplab.widgets.live import FitWidth, live_figure, placeholder, refresh
 
 log = logging.getLogger("ddplab.widgets")
 
@@ -58,16 +58,16 @@ NO_STRAGGLER = -1  # a Dropdown whose value is None shows nothing selected
 
 
 def default_runner(cluster=None):
-    """``ddplab.experiments.compare`` on the live ``cluster``, imported when first run.
+    """``ddplab.measure.compare`` on the live ``cluster``, imported when first run.
 
     When the panel asks for another world size than the cluster has, compare
     starts (and stops) a temporary cluster of that size, which costs seconds.
     """
     def run(**config):
         try:
-            from ..experiments.compare import compare
+            from ddplab.measure.compare import compare
         except ImportError as e:
-            raise RuntimeError("ddplab.experiments.compare is not available here; "
+            raise RuntimeError("ddplab.measure.compare is not available here; "
                                "give ControlPanel a runner=...") from e
         if cluster is not None and config.get("world_size") == cluster.world_size:
             return compare(cluster=cluster, **config)
@@ -83,7 +83,7 @@ class ControlPanel:
                  link="10gbe", steps=5, iterations=1, max_world_size=8, usable_cpus=None,
                  extra_config=None):
         if usable_cpus is None:
-            from ..cluster.resources import usable_cpus as _usable  # no torch imported
+            from ddplab.cluster.resources import usable_cpus as _usable  # no torch imported
 
             usable_cpus = _usable()
         if world_size is None:
@@ -165,7 +165,7 @@ class ControlPanel:
         """The RunSpec for ``config`` (default: the widgets' values); raises on a bad value."""
         import dataclasses
 
-        from ..experiments.spec import RunSpec  # imports torch: only when a run is asked for
+        from ddplab.measure.spec import RunSpec  # imports torch: only when a run is asked for
 
         config = self.config() if config is None else config
         fields = {f.name for f in dataclasses.fields(RunSpec)}

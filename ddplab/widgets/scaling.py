@@ -13,7 +13,7 @@ draws that line and shades what lies beyond it, so a collapse there is read
 as oversubscription, not as DDP's fault.
 
 Input is plain data: ``{world_size: step_ms}`` (or a list of pairs), or the
-result of ``ddplab.experiments.sweep.scaling``.
+result of ``ddplab.measure.sweep.scaling``.
 Leaves out: throughput in samples/s (same information), multi-node effects.
 References: Amdahl (1967) and Gustafson (1988) for strong and weak scaling.
 """
@@ -21,9 +21,9 @@ from __future__ import annotations
 
 import plotly.graph_objects as go
 
-from .gantt import with_link_label
+from ddplab.widgets.gantt import with_link_label
 
-from ..timeline.metrics import scaling_efficiency, world_size_pairs
+from ddplab.timeline.metrics import scaling_efficiency, world_size_pairs
 
 COLORS = {"strong": "#2b6cb0", "weak": "#2ca02c"}
 LABELS = {"strong": "strong scaling (fixed global batch)", "weak": "weak scaling (fixed batch per rank)"}
@@ -38,7 +38,7 @@ def scaling_figure(strong=None, weak=None, usable_cpus: int | None = None, title
                    simulated_link=None, height=420) -> go.Figure:
     """Efficiency (%) vs world size, with the oversubscription line at usable_cpus.
 
-    ``strong`` may also be what ``ddplab.experiments.sweep.scaling`` returns
+    ``strong`` may also be what ``ddplab.measure.sweep.scaling`` returns
     (rows with world_size, strong_step_ms, weak_step_ms).
     """
     if isinstance(strong, dict) and "rows" in strong:
@@ -47,7 +47,7 @@ def scaling_figure(strong=None, weak=None, usable_cpus: int | None = None, title
         weak = weak or {r["world_size"]: r["weak_step_ms"] for r in rows}
         usable_cpus = usable_cpus or result.get("usable_cpus")
     if usable_cpus is None:
-        from ..cluster.resources import usable_cpus as _usable  # no torch imported
+        from ddplab.cluster.resources import usable_cpus as _usable  # no torch imported
 
         usable_cpus = _usable()
     fig = go.Figure()

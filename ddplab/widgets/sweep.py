@@ -13,7 +13,7 @@ Input is plain data, so a learner can plot their own numbers:
 ``sweep_figure([1, 5, 25], {"step_ms": [...], "exposed_comm_ms": [...]},
 predicted={...})``, or a list of per-point dicts that carry
 ``bucket_cap_mb`` (and optionally ``predicted_step_ms``,
-``predicted_exposed_ms``), or what ``ddplab.experiments.sweep.bucket_sweep``
+``predicted_exposed_ms``), or what ``ddplab.measure.sweep.bucket_sweep``
 returns.
 
 Leaves out: error bars, first-bucket caps (torch's small first bucket).
@@ -27,7 +27,7 @@ import math
 
 import plotly.graph_objects as go
 
-from .gantt import with_link_label
+from ddplab.widgets.gantt import with_link_label
 from plotly.subplots import make_subplots
 
 KEYS = (("step_ms", "step time (ms)"), ("exposed_comm_ms", "exposed communication (ms)"))

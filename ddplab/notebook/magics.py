@@ -35,8 +35,8 @@ non-blocking cells. ``--on`` is %%px's ``--targets`` for inspection only: a
 collective there raises at once (the other ranks are not taking part).
 
 References: IPython's Magics API; ipyparallel's %%px (and its
-``_render_traceback_`` for remote errors); torchrun. The pieces: ddpcell.py
-(split and run a cell), rankview.py (per-rank blocks), completion.py (Tab and
+``_render_traceback_`` for remote errors); torchrun. The pieces: notebook/ddpcell.py
+(split and run a cell), notebook/rankview.py (per-rank blocks), notebook/completion.py (Tab and
 ``?``), cluster/progress.py (tqdm lines), cluster/status.py, cluster/subset.py.
 """
 from __future__ import annotations
@@ -50,8 +50,8 @@ from IPython.core.error import UsageError
 from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 
-from . import completion, ddpcell, export, rankview
-from .cluster import Cluster, RankError
+from ddplab.notebook import completion, ddpcell, export, rankview
+from ddplab.cluster import Cluster, RankError
 
 
 class _RankNamespace:
@@ -60,7 +60,7 @@ class _RankNamespace:
     they are and no wrapper frame shows up in a cell's traceback."""
 
     def __reduce__(self):
-        from .cluster import worker
+        from ddplab.cluster import worker
 
         return getattr, (worker, "namespace")
 
@@ -143,7 +143,7 @@ class DDPMagics(Magics):
     def _prepare_ranks(self) -> None:
         """Fresh ranks (first start, or replaced after a failure): define the
         names cells rely on and start a new recording, since state is gone."""
-        from . import torchrun
+        from ddplab.cluster import torchrun
 
         cluster = self.cluster
         cluster.run(torchrun.publish_names, RANK_NAMESPACE)

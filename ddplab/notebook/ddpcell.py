@@ -14,7 +14,7 @@ repr, and the kernel never needs the rank's classes.
 ``display(obj)`` on a rank (``IPython.display.display``, plotly's
 ``fig.show()``) formats the object on the rank the same way and sends it to
 the kernel at once, through the rank's socket, so it appears in the running
-cell labelled by rank (rankview.py draws it).
+cell labelled by rank (notebook/rankview.py draws it).
 
 Leaves out, compared with IPython: ``Out``/``_`` history on the ranks,
 display handles and ``clear_output`` on a rank (a rank's display is shown
@@ -139,7 +139,7 @@ def run_cell(body: types.CodeType, last, namespace: dict):
 
 def display(*objs, include=None, exclude=None, metadata=None, raw=False, **kwargs):
     """``IPython.display.display`` on a rank: each object goes to the kernel now."""
-    from .cluster import worker
+    from ddplab.cluster import worker
 
     for obj in objs:
         if raw:

@@ -70,7 +70,7 @@ def describe_on_rank(expr: str, namespace: dict, detail: int = 0) -> str | None:
 
 # -- kernel side ---------------------------------------------------------------
 def _ask_rank0(magics, fn, *args):
-    from .magics import RANK_NAMESPACE
+    from ddplab.notebook.magics import RANK_NAMESPACE
 
     cluster = magics.cluster
     if cluster is None or cluster.running is not None or cluster.pids != magics._pids:

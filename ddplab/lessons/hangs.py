@@ -176,10 +176,10 @@ def straggler_no_sync_on_rank(use_no_sync: bool, pattern: str = "alternating", m
     """
     import torch.distributed as dist
 
-    from ..netsim import LinkModel
-    from ..netsim.simulated import SimulatedLink
-    from ..strategies import build_strategy
-    from ..sync import comm
+    from ddplab.netsim import LinkModel
+    from ddplab.netsim.simulated import SimulatedLink
+    from ddplab.sync.registry import build_strategy
+    from ddplab.sync import comm
 
     if pattern not in ("alternating", "constant"):
         raise ValueError(f"pattern must be 'alternating' or 'constant', got {pattern!r}")

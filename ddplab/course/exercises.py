@@ -15,8 +15,8 @@ outputs, a first cell saying where the solution is, and every cell tagged
 ``grader`` also tagged ``raises-exception``, so that "Run All" goes on past a
 failing check (the cells after it fall back to ddplab's own code).
 
-    python -m ddplab.exercises           # rewrite labs/exercises/ from labs/
-    python -m ddplab.exercises --check   # exit 1 if they are not in step
+    python -m ddplab.course.exercises           # rewrite labs/exercises/ from labs/
+    python -m ddplab.course.exercises --check   # exit 1 if they are not in step
 
 Leaves out: hidden tests and points (nbgrader does those); a solution cell
 is stubbed only between its markers, so what is outside them is shown to
@@ -133,7 +133,7 @@ def main(argv=None) -> int:
         for p in problems:
             print(p)
         if problems:
-            print("run: python -m ddplab.exercises   (regenerates labs/exercises/ from labs/)")
+            print("run: python -m ddplab.course.exercises   (regenerates labs/exercises/ from labs/)")
         return 1 if problems else 0
     for path in write_all():
         print("wrote", path.relative_to(LABS.parent))

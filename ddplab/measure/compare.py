@@ -28,8 +28,8 @@ from __future__ import annotations
 import dataclasses
 import json
 
-from ..timeline import Timeline, add_saved_ms, summarize
-from .spec import RunSpec, parse_straggler  # noqa: F401 - parse_straggler: public before RunSpec
+from ddplab.timeline import Timeline, add_saved_ms, summarize
+from ddplab.measure.spec import RunSpec, parse_straggler  # noqa: F401 - parse_straggler: public before RunSpec
 
 TORCH_DEFAULT_CAP_MB = 25.0
 DDP_VIA_HOOK_LABEL = ("torch DDP timed with a comm hook through ddplab.sync.comm, "
@@ -81,19 +81,19 @@ def _wait_for_start_up_imports() -> None:
 def run_on_rank(spec: RunSpec, strategies: dict | None = None) -> dict:
     """Runs on every rank: build every strategy, interleave their steps, return records.
 
-    ``strategies``: name -> ``ddplab.strategies.Strategy``, looked up by the
+    ``strategies``: name -> ``ddplab.sync.registry.Strategy``, looked up by the
     caller (so entries registered in a notebook travel with the job).
     """
     import torch.distributed as dist
 
-    from ..netsim.simulated import SimulatedLink
-    from ..strategies import get_strategy
-    from ..sync import comm
-    from ..timeline.clock import estimate_offsets
-    from .runners import StrategyRunner
+    from ddplab.netsim.simulated import SimulatedLink
+    from ddplab.sync.registry import get_strategy
+    from ddplab.sync import comm
+    from ddplab.timeline.clock import estimate_offsets
+    from ddplab.measure.runners import StrategyRunner
 
     _wait_for_start_up_imports()
-    from ..cluster.backend import backend_name
+    from ddplab.cluster.backend import backend_name
 
     rank, world, backend = dist.get_rank(), dist.get_world_size(), backend_name()
     entries = [(strategies or {}).get(n) or get_strategy(n) for n in spec.strategies]
@@ -129,8 +129,8 @@ def compare(cluster=None, strategies=RunSpec.strategies, steps: int = RunSpec.st
     ``link``: a LinkModel, a preset name ("10gbe") or None; ``straggler``:
     (rank, factor) or "RANK:FACTOR". Or pass one ``spec`` (a RunSpec) instead.
     """
-    from ..cluster import Cluster
-    from ..strategies import get_strategy
+    from ddplab.cluster import Cluster
+    from ddplab.sync.registry import get_strategy
 
     if spec is None:
         size = world_size or getattr(cluster, "world_size", None) or RunSpec.world_size
@@ -151,7 +151,7 @@ def compare(cluster=None, strategies=RunSpec.strategies, steps: int = RunSpec.st
 
 def run_labels(spec: RunSpec, entries: dict, cluster, clock: dict, per_rank) -> dict:
     """The run's facts, decided once: every table, figure and JSON reads these."""
-    from ..cluster.resources import usable_cpus
+    from ddplab.cluster.resources import usable_cpus
 
     note = None
     if any(s.shape in ("buckets", "torch_ddp") for s in entries.values()):

@@ -5,7 +5,7 @@ step around them is the same, so it is written once here:
 
     forward -> loss -> zero_grad -> backward -> [sync] -> optimizer.step()
 
-Each strategy comes from ``ddplab.strategies`` (the one registry): what
+Each strategy comes from ``ddplab.sync.registry`` (the one registry): what
 ``build_strategy`` returns says whether the sync happens inside backward
 (a wrapper's hooks) or after it (``after_backward``). torch DDP is timed on
 a copy built without a recorder (recording costs it a Python hook per
@@ -26,10 +26,10 @@ import time
 import torch
 import torch.nn.functional as F
 
-from ..clock import now
-from ..sync import comm
-from ..timeline.recorder import Recorder
-from . import models
+from ddplab.contracts.clock import now
+from ddplab.sync import comm
+from ddplab.timeline.recorder import Recorder
+from ddplab.measure import models
 
 TRACED_SUFFIX = "_traced"  # the drawn copy of a strategy timed without recording
 
@@ -37,19 +37,19 @@ TRACED_SUFFIX = "_traced"  # the drawn copy of a strategy timed without recordin
 class StrategyRunner:
     """One strategy on this rank: ``step(i)`` trains and stamps one iteration.
 
-    ``strategy``: a ``ddplab.strategies.Strategy`` (or a registered name);
+    ``strategy``: a ``ddplab.sync.registry.Strategy`` (or a registered name);
     ``spec``: the run's ``RunSpec``; ``traced``: build the recorded copy of a
     strategy that is timed unrecorded (its name gets ``_traced``).
     """
 
     def __init__(self, strategy, spec, rank: int, world_size: int, backend: str, traced=False):
-        from ..strategies import get_strategy
+        from ddplab.sync.registry import get_strategy
 
         strategy = get_strategy(strategy)
         self.name = strategy.name + (TRACED_SUFFIX if traced else "")
         self.spec, self.rank = spec, rank
         # NCCL: each rank owns the GPU the Cluster selected for it (cluster/backend.py).
-        from ..cluster.backend import device
+        from ddplab.cluster.backend import device
 
         self.device = device()
         base = models.build(spec.model, seed=spec.seed, **spec.model_kwargs).to(self.device)
@@ -57,7 +57,7 @@ class StrategyRunner:
         self.recorder = Recorder(self.name, rank, world_size, backend)
         if backend == "nccl":
             # CPU stamps would be when the host queued NCCL work, not when it ran.
-            from ..timeline.cuda_events import CudaStamps
+            from ddplab.timeline.cuda_events import CudaStamps
 
             self.recorder.device_timer = CudaStamps(self.device)
         unrecorded = strategy.time_unrecorded and not traced

@@ -27,9 +27,9 @@ is the one that looks at overlap).
 """
 from __future__ import annotations
 
-from ..cluster.errors import RankError
-from . import graders
-from .mistakes import NOT_IMPLEMENTED, RAISED, CheckFailed
+from ddplab.cluster.errors import RankError
+from ddplab.checks import graders
+from ddplab.checks.mistakes import NOT_IMPLEMENTED, RAISED, CheckFailed
 
 NOT_A_FUTURE = "the hook did not return a future"
 LIST_FUTURE = "the future's value is a list (a Work's future), not the bucket tensor"
@@ -64,7 +64,9 @@ def _on_rank(hook, bucket_cap_mb):
     import torch.nn.functional as F
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from ..experiments.compression import _batch, _device, _model, exact_mean_grads, relative_error
+    from ddplab.cluster.backend import device
+    from ddplab.lessons.common import wide_batch, wide_net
+    from ddplab.lessons.compression import exact_mean_grads, relative_error
 
     rank, world = dist.get_rank(), dist.get_world_size()
     seen = {"buckets": 0, "bucket_bytes": 0, "sent_bytes": 0, "mistake": None, "detail": ""}
@@ -107,17 +109,17 @@ def _on_rank(hook, bucket_cap_mb):
 
         return fut.then(inspect_value)
 
-    ddp = DDP(_model().to(_device()), bucket_cap_mb=bucket_cap_mb)
+    ddp = DDP(wide_net().to(device()), bucket_cap_mb=bucket_cap_mb)
     ddp.register_comm_hook(None, watched)
-    x, y = _batch(rank, on=_device())
+    x, y = wide_batch(rank, on=device())
     for _ in range(2):  # iteration 0 has one bucket; iteration 1 the rebuilt ones
         ddp.zero_grad()
         F.mse_loss(ddp(x), y).backward()
     grads = [p.grad for p in ddp.module.parameters()]
     ref = exact_mean_grads(ddp.module, rank)
-    local = _model().double().to(_device())
+    local = wide_net().double().to(device())
     local.load_state_dict(ddp.module.state_dict())
-    xd, yd = _batch(rank, dtype=torch.float64, on=_device())
+    xd, yd = wide_batch(rank, dtype=torch.float64, on=device())
     F.mse_loss(local(xd), yd).backward()
     scale = [float((g.double().to(r.device) * r).sum() / (r * r).sum()) for g, r in zip(grads, ref)]
     seen.update(rel_error=relative_error(grads, ref), world=world,

@@ -26,30 +26,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..strategies import Strategy, build_strategy
-from ..sync import comm
-
-
-def _device():
-    # The rank's GPU under nccl, else the CPU; outside a group (one process), the CPU.
-    import torch.distributed as dist
-
-    from ..cluster.backend import device
-
-    return device() if dist.is_initialized() else torch.device("cpu")
-
-
-def _tiny(seed=0, dtype=torch.float64):
-    torch.manual_seed(seed)
-    return nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 32), nn.Tanh(),
-                         nn.Linear(32, 4)).to(dtype=dtype, device=_device())
-
-
-def _data(rank, step, batch=16, dtype=torch.float64):
-    # Drawn on the CPU (the same numbers on every device), then moved to the rank's device.
-    g = torch.Generator().manual_seed(1000 * step + rank)
-    x, y = torch.randn(batch, 8, generator=g, dtype=dtype), torch.randn(batch, 4, generator=g, dtype=dtype)
-    return x.to(_device()), y.to(_device())
+from ddplab.sync.registry import Strategy, build_strategy
+from ddplab.cluster.backend import device
+from ddplab.lessons.common import tiny_batch, tiny_net
+from ddplab.sync import comm
 
 
 def _wrap(strategy, model, bucket_cap_mb=0.001, recorder=None):
@@ -83,13 +63,13 @@ def single_process_gap_on_rank(strategy="bucketed", steps=3, lr=0.1, sleep_on_ra
     import torch.distributed as dist
 
     rank, world = dist.get_rank(), dist.get_world_size()
-    model, after_backward = _wrap(strategy, _tiny())
-    reference = _tiny()  # the same start, trained as one process would be
+    model, after_backward = _wrap(strategy, tiny_net())
+    reference = tiny_net()  # the same start, trained as one process would be
     opt = torch.optim.SGD(model.parameters(), lr=lr)
     ref_opt = torch.optim.SGD(reference.parameters(), lr=lr)
     gaps = []
     for step in range(steps):
-        x, y = _data(rank, step)
+        x, y = tiny_batch(rank, step)
         opt.zero_grad()
         loss = F.mse_loss(model(x), y)
         if sleep_on_rank and sleep_on_rank[0] == rank:
@@ -98,7 +78,7 @@ def single_process_gap_on_rank(strategy="bucketed", steps=3, lr=0.1, sleep_on_ra
         if after_backward:
             after_backward()
         opt.step()
-        xs, ys = zip(*(_data(r, step) for r in range(world)))  # the union of every rank's batch
+        xs, ys = zip(*(tiny_batch(r, step) for r in range(world)))  # the union of every rank's batch
         ref_opt.zero_grad()
         F.mse_loss(reference(torch.cat(xs)), torch.cat(ys)).backward()
         ref_opt.step()
@@ -117,8 +97,8 @@ def loss_and_grads_on_rank(strategy="ddp"):
     import torch.distributed as dist
 
     rank = dist.get_rank()
-    model, after_backward = _wrap(strategy, _tiny())
-    x, y = _data(rank, 0)
+    model, after_backward = _wrap(strategy, tiny_net())
+    x, y = tiny_batch(rank, 0)
     loss = F.mse_loss(model(x), y)
     loss.backward()
     if after_backward:
@@ -134,11 +114,11 @@ def loss_and_grads_on_rank(strategy="ddp"):
 def sync_order_on_rank(strategy="bucketed", bucket_cap_mb=0.001):
     """Event times (ms from the forward's start) of one step, in the order they happened."""
     rec = comm.ListRecorder()
-    model, after_backward = _wrap(strategy, _tiny(), bucket_cap_mb, recorder=rec)
+    model, after_backward = _wrap(strategy, tiny_net(), bucket_cap_mb, recorder=rec)
     import torch.distributed as dist
 
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    x, y = _data(dist.get_rank(), 0)
+    x, y = tiny_batch(dist.get_rank(), 0)
     rec.clear()
     marks = {"forward_start": comm.now()}
     loss = F.mse_loss(model(x), y)
@@ -167,12 +147,12 @@ def traffic_on_rank(batch_size, strategy="bucketed", micro_steps=1, use_no_sync=
 
     import torch.distributed as dist
 
-    model, after_backward = _wrap(strategy, _tiny(dtype=torch.float32), 0.001)
+    model, after_backward = _wrap(strategy, tiny_net(dtype=torch.float32), 0.001)
     with comm.counting() as counted:
         for k in range(micro_steps):
             last = k == micro_steps - 1
             quiet = model.no_sync() if use_no_sync and not last else contextlib.nullcontext()
-            x, y = _data(dist.get_rank(), k, batch_size, torch.float32)
+            x, y = tiny_batch(dist.get_rank(), k, batch_size, torch.float32)
             cast = (torch.autocast("cpu", dtype=autocast_dtype) if autocast_dtype
                     else contextlib.nullcontext())
             with quiet:

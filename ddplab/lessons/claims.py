@@ -27,8 +27,8 @@ import contextlib
 import torch
 import torch.nn.functional as F
 
-from ..cluster.backend import backend_name, device
-from .lessons import _data, _tiny
+from ddplab.cluster.backend import backend_name, device
+from ddplab.lessons.common import tiny_batch, tiny_net
 
 
 def _grads(model):
@@ -41,8 +41,8 @@ def loss_on_rank(batch_sizes=None):
 
     rank = dist.get_rank()
     batch = 16 if batch_sizes is None else batch_sizes[rank]
-    x, y = _data(rank, 0, batch)
-    return F.mse_loss(_tiny()(x), y).item()
+    x, y = tiny_batch(rank, 0, batch)
+    return F.mse_loss(tiny_net()(x), y).item()
 
 
 def loss_vs_single_process(cluster, batch_sizes=None) -> dict:
@@ -50,8 +50,8 @@ def loss_vs_single_process(cluster, batch_sizes=None) -> dict:
     n = cluster.world_size
     sizes = batch_sizes or [16] * n
     per_rank = cluster.run(loss_on_rank, sizes)
-    xs, ys = zip(*(_data(r, 0, sizes[r]) for r in range(n)))
-    single = F.mse_loss(_tiny()(torch.cat(xs)), torch.cat(ys)).item()
+    xs, ys = zip(*(tiny_batch(r, 0, sizes[r]) for r in range(n)))
+    single = F.mse_loss(tiny_net()(torch.cat(xs)), torch.cat(ys)).item()
     mean = sum(per_rank) / n
     return {"per_rank": per_rank, "mean_of_ranks": mean, "single_process": single,
             "gap": abs(mean - single), "batch_sizes": sizes}
@@ -64,15 +64,15 @@ def no_sync_on_rank(micro_steps=4, divide=True):
 
     rank, world = dist.get_rank(), dist.get_world_size()
     dev = device()
-    model = DDP(_tiny().to(dev))
+    model = DDP(tiny_net().to(dev))
     for k in range(micro_steps):
-        x, y = (t.to(dev) for t in _data(rank, k))
+        x, y = (t.to(dev) for t in tiny_batch(rank, k))
         quiet = model.no_sync() if k < micro_steps - 1 else contextlib.nullcontext()
         with quiet:  # forward AND backward inside: torch decides at forward time
             loss = F.mse_loss(model(x), y)
             (loss / micro_steps if divide else loss).backward()
-    reference = _tiny()  # one process, one batch holding every rank's micro-batches
-    xs, ys = zip(*(_data(r, k) for r in range(world) for k in range(micro_steps)))
+    reference = tiny_net()  # one process, one batch holding every rank's micro-batches
+    xs, ys = zip(*(tiny_batch(r, k) for r in range(world) for k in range(micro_steps)))
     F.mse_loss(reference(torch.cat(xs)), torch.cat(ys)).backward()
     mine, ref = _grads(model.module), _grads(reference)
     return {"gap": (mine - ref).abs().max().item(), "ratio": (mine.norm() / ref.norm()).item()}

@@ -19,10 +19,10 @@ from __future__ import annotations
 
 import statistics
 
-from ..netsim import LinkModel
-from ..netsim.costmodel import predict_step
-from ..timeline.metrics import scaling_efficiency
-from .compare import compare
+from ddplab.netsim import LinkModel
+from ddplab.netsim.costmodel import predict_step
+from ddplab.timeline.metrics import scaling_efficiency
+from ddplab.measure.compare import compare
 
 
 def _ready_profile(tl, iteration_numbers):
@@ -89,8 +89,8 @@ def scaling(world_sizes=(1, 2, 4), strategy: str = "bucketed", global_batch: int
 
     ``progress``: print one line per world size as it finishes (each starts its own ranks).
     """
-    from ..cluster import Cluster
-    from ..cluster.resources import usable_cpus
+    from ddplab.cluster import Cluster
+    from ddplab.cluster.resources import usable_cpus
 
     if 1 not in world_sizes:
         world_sizes = (1, *world_sizes)

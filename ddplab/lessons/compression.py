@@ -28,37 +28,18 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..sync import comm
-
-
-def _model(seed=0, width=64, depth=4, dtype=torch.float32):
-    torch.manual_seed(seed)
-    layers = [nn.Linear(16, width), nn.Tanh()]
-    for _ in range(depth - 2):
-        layers += [nn.Linear(width, width), nn.Tanh()]
-    return nn.Sequential(*layers, nn.Linear(width, 4)).to(dtype)
-
-
-def _device():
-    from ..cluster.backend import device
-
-    return device()
-
-
-def _batch(rank, step=0, n=32, dtype=torch.float32, on=None):
-    g = torch.Generator().manual_seed(1000 * step + rank)
-    # drawn in float32 whatever ``dtype``: the float64 reference must see the same numbers
-    x, y = torch.randn(n, 16, generator=g).to(dtype), torch.randn(n, 4, generator=g).to(dtype)
-    return (x, y) if on is None else (x.to(on), y.to(on))
+from ddplab.cluster.backend import device
+from ddplab.lessons.common import wide_batch, wide_net
+from ddplab.sync import comm
 
 
 def exact_mean_grads(model, rank) -> list:
     """Each rank's float64 gradient on its own batch, averaged over ranks in float64."""
     import torch.distributed as dist
 
-    ref = _model().double().to(_device())
+    ref = wide_net().double().to(device())
     ref.load_state_dict(model.state_dict())
-    x, y = _batch(rank, dtype=torch.float64, on=_device())
+    x, y = wide_batch(rank, dtype=torch.float64, on=device())
     F.mse_loss(ref(x), y).backward()
     grads = [p.grad for p in ref.parameters()]
     for gr in grads:
@@ -77,15 +58,15 @@ def hook_on_rank(hook="none", bucket_cap_mb: float = 0.01) -> dict:
     gradient bytes and calls, and the relative error against the exact float64 mean."""
     import torch.distributed as dist
 
-    from ..strategies import build_strategy
-    from ..sync import comm_hooks
+    from ddplab.sync.registry import build_strategy
+    from ddplab.sync import comm_hooks
 
     rank = dist.get_rank()
-    model = build_strategy("bucketed", _model().to(_device()), bucket_cap_mb=bucket_cap_mb).model
+    model = build_strategy("bucketed", wide_net().to(device()), bucket_cap_mb=bucket_cap_mb).model
     if hook != "none":
         fn = {"fp16": comm_hooks.fp16_compress_hook, "bf16": comm_hooks.bf16_compress_hook}.get(hook, hook)
         model.register_comm_hook(None, fn)
-    x, y = _batch(rank, on=_device())
+    x, y = wide_batch(rank, on=device())
     with comm.counting() as counted:
         F.mse_loss(model(x), y).backward()
     ref = exact_mean_grads(model.module, rank)
@@ -101,8 +82,8 @@ def torch_hook_on_rank(name: str) -> dict:
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    ddp = DDP(_model().to(_device()))
-    x, y = _batch(dist.get_rank(), on=_device())
+    ddp = DDP(wide_net().to(device()))
+    x, y = wide_batch(dist.get_rank(), on=device())
     try:
         ddp.register_comm_hook(None, getattr(default_hooks, name))
         F.mse_loss(ddp(x), y).backward()
@@ -128,11 +109,11 @@ def zero_on_rank(steps: int = 3, width: int = 128, depth: int = 6) -> dict:
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     rank = dist.get_rank()
-    plain, zero = (DDP(_model(0, width, depth).to(_device())) for _ in range(2))
+    plain, zero = (DDP(wide_net(0, width, depth).to(device())) for _ in range(2))
     opt_plain = torch.optim.Adam(plain.parameters(), lr=1e-3)
     opt_zero = ZeroRedundancyOptimizer(zero.parameters(), optimizer_class=torch.optim.Adam, lr=1e-3)
     for step in range(steps):
-        x, y = _batch(rank, step, on=_device())
+        x, y = wide_batch(rank, step, on=device())
         for model, opt in ((plain, opt_plain), (zero, opt_zero)):  # noqa: B007
             opt.zero_grad()
             F.mse_loss(model(x), y).backward()
@@ -149,19 +130,19 @@ def fsdp_on_rank(width: int = 128, depth: int = 6) -> dict:
     """Parameter bytes this rank holds after ``fully_shard`` (FSDP2), or why it did not run."""
     import torch.distributed as dist
 
-    model = _model(0, width, depth).to(_device())
+    model = wide_net(0, width, depth).to(device())
     full = sum(p.numel() * p.element_size() for p in model.parameters())
     try:
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
 
-        mesh = init_device_mesh(_device().type, (dist.get_world_size(),))
+        mesh = init_device_mesh(device().type, (dist.get_world_size(),))
         for layer in model:
             if isinstance(layer, nn.Linear):
                 fully_shard(layer, mesh=mesh)
         fully_shard(model, mesh=mesh)
         held = sum(p.to_local().numel() * p.element_size() for p in model.parameters())
-        x, y = _batch(dist.get_rank(), on=_device())
+        x, y = wide_batch(dist.get_rank(), on=device())
         F.mse_loss(model(x), y).backward()  # gathers layer by layer, then reduce-scatters
         grad_held = sum(p.grad.to_local().numel() * p.grad.element_size() for p in model.parameters())
     except Exception as err:

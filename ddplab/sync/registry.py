@@ -191,7 +191,7 @@ def _none(module):
 @register_strategy("manual", shape="after_backward")
 def _manual(module, process_group=None, recorder=None):
     """average_gradients after backward, one all-reduce per parameter"""
-    from .sync import average_gradients
+    from ddplab.sync import average_gradients
 
     return module, lambda: average_gradients(module, process_group, recorder=recorder)
 
@@ -199,7 +199,7 @@ def _manual(module, process_group=None, recorder=None):
 @register_strategy("manual_flat", shape="after_backward_flat")
 def _manual_flat(module, process_group=None, recorder=None):
     """average_gradients(flat=True) after backward: one all-reduce of a flat buffer"""
-    from .sync import average_gradients
+    from ddplab.sync import average_gradients
 
     return module, lambda: average_gradients(module, process_group, flat=True, recorder=recorder)
 
@@ -207,7 +207,7 @@ def _manual_flat(module, process_group=None, recorder=None):
 @register_strategy("overlap", shape="per_parameter")
 def _overlap(module, process_group=None, recorder=None, **options):
     """OverlapDDP: one async all-reduce per parameter, from its gradient hook"""
-    from .sync import OverlapDDP
+    from ddplab.sync import OverlapDDP
 
     return OverlapDDP(module, process_group=process_group, recorder=recorder, **options)
 
@@ -215,7 +215,7 @@ def _overlap(module, process_group=None, recorder=None, **options):
 @register_strategy("bucketed", shape="buckets")
 def _bucketed(module, bucket_cap_mb=25.0, process_group=None, recorder=None, **options):
     """BucketedDDP: buckets in reverse order, launched in index order during backward"""
-    from .sync import BucketedDDP
+    from ddplab.sync import BucketedDDP
 
     return BucketedDDP(module, bucket_cap_mb=bucket_cap_mb, process_group=process_group,
                        recorder=recorder, **options)
@@ -236,11 +236,11 @@ def _ddp(module, bucket_cap_mb=None, process_group=None, recorder=None, device_i
     model = DDP(module, bucket_cap_mb=bucket_cap_mb, device_ids=device_ids,
                 process_group=process_group, **options)
     if recorder is not None:
-        from .sync.ddp_trace import DDPTracer
+        from ddplab.sync.ddp_trace import DDPTracer
 
         return Built(model, tracer=DDPTracer(model, recorder, process_group))
     if through_comm:
-        from .sync.ddp_trace import choke_point_hook
+        from ddplab.sync.ddp_trace import choke_point_hook
 
         model.register_comm_hook(process_group, choke_point_hook)
     return Built(model)

@@ -161,7 +161,7 @@ def _header(name: str, rec: Recording, side: str | None) -> str:
 
 def _script_source(cell: Cell) -> str:
     """The cell as script code: its last value printed, --on ranks as an ``if``."""
-    from .ddpcell import ends_with_semicolon
+    from ddplab.notebook.ddpcell import ends_with_semicolon
 
     source = cell.source.rstrip("\n")
     tree = ast.parse(source)
@@ -202,7 +202,7 @@ def script_text(rec: Recording, name: str = "train.py", side: str | None = None)
     pushes = [e for e in rec.entries if isinstance(e, Push)]
     saved = {p.detail: p.value for p in pushes if p.how == "saved"}
     side = side if saved else None
-    out = [_header(name, rec, side), "import ddplab", "import ddplab.torchrun"]
+    out = [_header(name, rec, side), "import ddplab", "import ddplab.cluster.torchrun"]
     if saved:
         out.append("import os")
     if saved or any(p.how == "code" and p.detail.startswith("torch.") for p in pushes):
@@ -234,7 +234,7 @@ def script_text(rec: Recording, name: str = "train.py", side: str | None = None)
             why = f"{entry.name} was pushed from the notebook ({entry.detail}): write code that builds it here"
             out += [f"# %ddp_push {entry.name}: {entry.detail} has no source form.",
                     f"raise NotImplementedError({why!r})"]
-    out += ["", "# Leave the group and exit without gloo's teardown abort.", "ddplab.torchrun.finish()", ""]
+    out += ["", "# Leave the group and exit without gloo's teardown abort.", "ddplab.cluster.torchrun.finish()", ""]
     return "\n".join(out), saved
 
 

@@ -41,8 +41,8 @@ import os
 import sys
 from typing import NamedTuple
 
-from .cluster import backend as rank_backend
-from .cluster import resources
+from ddplab.cluster import backend as rank_backend
+from ddplab.cluster import resources
 
 REQUIRED = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
@@ -166,7 +166,7 @@ def finish(code: int = 0) -> None:
             dist.barrier()  # nobody tears down while a peer still needs it
             dist.destroy_process_group()
     except BaseException as exc:  # noqa: BLE001 - report, then still leave without teardown
-        print(f"ddplab.torchrun.finish: {type(exc).__name__}: {exc}", file=sys.stderr)
+        print(f"ddplab.cluster.torchrun.finish: {type(exc).__name__}: {exc}", file=sys.stderr)
         code = code or 1
     finally:
         sys.stdout.flush()

@@ -6,7 +6,7 @@ a ``RunSpec``; the ranks receive the same object; the JSON carries
 ``spec.to_dict()`` as its "config". Validation happens here, once, with
 errors that say what to do, so a bad value never reaches the ranks.
 
-Strategy names are checked against ``ddplab.strategies`` in the process that
+Strategy names are checked against ``ddplab.sync.registry`` in the process that
 builds the spec (a notebook's own registrations included). Importing this
 module imports no torch.
 
@@ -18,8 +18,8 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from ..netsim.link import LinkModel
-from ..strategies import get_strategy
+from ddplab.netsim.link import LinkModel
+from ddplab.sync.registry import get_strategy
 
 MODELS = ("mlp", "convnet")
 

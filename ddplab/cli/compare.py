@@ -1,12 +1,12 @@
 """``python -m ddplab compare``: the measuring engine from a shell.
 
 Sits at the top of the package, beside the magics, export and doctor: it
-drives ddplab.experiments and writes ddplab.widgets' HTML page.
+drives ddplab.measure and writes ddplab.widgets' HTML page.
 
 Prints a progress line per strategy and a table; writes the JSON layout in
 DESIGN.md (``--json``), a Chrome trace for Perfetto (``--trace``) and a
 standalone HTML page (``--html``). ``--strategy FILE.py:NAME`` (repeatable)
-adds a strategy defined in a file (see ddplab.strategies).
+adds a strategy defined in a file (see ddplab.sync.registry).
 """
 from __future__ import annotations
 
@@ -15,8 +15,8 @@ import sys
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from .experiments.spec import RunSpec
-    from .strategies import strategy_names
+    from ddplab.measure.spec import RunSpec
+    from ddplab.sync.registry import strategy_names
 
     p.add_argument("--world-size", type=int, default=RunSpec.world_size)
     p.add_argument("--strategies", default=",".join(RunSpec.strategies),
@@ -45,9 +45,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def spec_from_args(args, parser):
     """The RunSpec the arguments describe; a bad value ends in parser.error, never on the ranks."""
-    from .experiments.spec import RunSpec
-    from .netsim import LinkModel
-    from .strategies import load_strategy
+    from ddplab.measure.spec import RunSpec
+    from ddplab.netsim import LinkModel
+    from ddplab.sync.registry import load_strategy
 
     try:
         link = None
@@ -67,9 +67,9 @@ def spec_from_args(args, parser):
 
 
 def run(args, parser) -> int:
-    from .cluster import Cluster
-    from .experiments.compare import compare
-    from .experiments.report import print_table
+    from ddplab.cluster import Cluster
+    from ddplab.measure.compare import compare
+    from ddplab.measure.report import print_table
 
     spec = spec_from_args(args, parser)
     print(f"ddplab compare: {spec.world_size} ranks, strategies {', '.join(spec.strategies)}, "
@@ -84,12 +84,12 @@ def run(args, parser) -> int:
         result.write_json(args.json)
         print(f"wrote {args.json}")
     if args.trace:
-        from .timeline import write_chrome_trace
+        from ddplab.timeline import write_chrome_trace
 
         write_chrome_trace(args.trace, list(result.timelines.values()))
         print(f"wrote {args.trace} (open it at ui.perfetto.dev or chrome://tracing)")
     if args.html:
-        from .widgets.html import compare_page
+        from ddplab.widgets.html import compare_page
 
         compare_page(result, args.html)
         print(f"wrote {args.html}")

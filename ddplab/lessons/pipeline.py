@@ -169,8 +169,8 @@ def ddp_traffic_on_rank(batch_size: int, steps: int = 2) -> dict:
     """Gradient bytes torch DDP all-reduces per step (traced), training the whole model here."""
     import torch.distributed as dist
 
-    from ..strategies import build_strategy
-    from ..sync import comm
+    from ddplab.sync.registry import build_strategy
+    from ddplab.sync import comm
 
     built = build_strategy("ddp", two_stage_model(), recorder=comm.ListRecorder())
     model, tracer = built.model, built.tracer

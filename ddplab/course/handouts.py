@@ -3,7 +3,7 @@
 Teaches nothing about DDP; it serves the people around a lesson. Notebooks are
 committed without outputs (so CI and git stay clean), which leaves an
 instructor nothing to put on a slide and a learner whose machine cannot start
-ranks nothing to look at. ``python -m ddplab.handouts`` (``make handouts``)
+ranks nothing to look at. ``python -m ddplab.course.handouts`` (``make handouts``)
 runs each notebook top to bottom on live ranks, exactly as a learner would,
 and writes ``NAME.html`` beside an ``index.html`` that lists them with how
 long each took.
@@ -77,7 +77,7 @@ def _index(done: list[dict]) -> str:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m ddplab.handouts", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m ddplab.course.handouts", description=__doc__.split("\n")[0])
     parser.add_argument("notebooks", nargs="*", type=Path,
                         help="notebooks to execute (default: labs/*.ipynb, the solutions)")
     parser.add_argument("-o", "--out", type=Path, default=Path("build/handouts"))

@@ -210,9 +210,9 @@ def rebuild_on_rank(steps: int = 3, bucket_cap_mb: float = 0.004) -> dict:
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from ..cluster.backend import device
-    from ..sync import assign_buckets
-    from ..sync.ddp_trace import DDPTracer
+    from ddplab.cluster.backend import device
+    from ddplab.sync import assign_buckets
+    from ddplab.sync.ddp_trace import DDPTracer
 
     torch.manual_seed(0)
     model = _declared_out_of_order().to(device())
