@@ -30,7 +30,7 @@ import sys
 
 BEGIN, END = "# BEGIN SOLUTION", "# END SOLUTION"
 STUB = "raise NotImplementedError  # your code here"
-LABS = pathlib.Path(__file__).resolve().parents[1] / "labs"
+LABS = pathlib.Path(__file__).resolve().parents[2] / "labs"
 HEADER_ID = "exercise-header"
 
 

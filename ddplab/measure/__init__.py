@@ -1,4 +1,4 @@
-"""Experiments: small models and workloads, and compare(): strategies side by side."""
+"""Measuring: RunSpec, compare() (strategies side by side on live ranks), sweeps, the models they time."""
 from ddplab.measure.models import SmallConvNet, batch, build, mlp, n_parameters
 
 __all__ = ["SmallConvNet", "batch", "build", "mlp", "n_parameters"]
