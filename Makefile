@@ -19,7 +19,7 @@ $(STAMP): pyproject.toml constraints.txt
 lab: $(STAMP)
 	$(VENV)/bin/jupyter lab --ServerApp.root_dir=labs --LabApp.default_url=/lab/tree/exercises
 
-# labs/exercises/ is generated from labs/ (cells tagged "solution" are stubbed).
+# labs/exercises/ is nbgrader generate_assignment's output for labs/ (nbgrader solution cells stubbed).
 exercises: $(STAMP)
 	$(PY) -m ddplab.course.exercises
 

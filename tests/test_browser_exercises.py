@@ -34,7 +34,7 @@ def cut_down(nb):
     """Markdown, the set-up cell, stubs, graders and the cells that use what was written."""
     first_code = next(c for c in nb.cells if c.cell_type == "code")
     nb.cells = [c for c in nb.cells if c.cell_type == "markdown" or c is first_code
-                or USES in c.source or {"solution", "grader"} & set(exercises.tags(c))]
+                or USES in c.source or exercises.role(c)]
     return nb
 
 
@@ -42,7 +42,7 @@ def write_exercise(root):
     ex = cut_down(nbformat.read(str(ROOT / "labs" / "exercises" / NAME), as_version=4))
     nbformat.write(ex, str(root / "exercise.ipynb"))
     solutions = {c.id: c.source for c in nbformat.read(str(ROOT / "labs" / NAME), as_version=4).cells
-                 if "solution" in exercises.tags(c)}
+                 if exercises.role(c) == "solution"}
     return ex, solutions
 
 
@@ -55,8 +55,8 @@ def test_an_exercise_fails_untouched_then_passes_filled_in(tmp_path):
     root = tmp_path / "root"
     root.mkdir()
     ex, solutions = write_exercise(root)
-    stubs = [i for i, c in enumerate(ex.cells) if "solution" in exercises.tags(c)]
-    graders = [i for i, c in enumerate(ex.cells) if "grader" in exercises.tags(c)]
+    stubs = [i for i, c in enumerate(ex.cells) if exercises.role(c) == "solution"]
+    graders = [i for i, c in enumerate(ex.cells) if exercises.role(c) == "grader"]
     users = [i for i, c in enumerate(ex.cells) if USES in c.source]
     assert len(stubs) == len(graders) == len(users) == 2
     with jupyterlab(root, tmp_path / "lab") as lab, chromium(executable, height=2400) as page:

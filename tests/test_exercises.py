@@ -1,9 +1,10 @@
-"""Exercise notebooks are generated from the labs and in step with them; untouched, their graders fail.
+"""Exercise notebooks are nbgrader's output for the labs, in step with them; untouched, their graders fail.
 
-The in-step check is static (no kernel): regenerate every labs/exercises/ notebook from its
-lab and compare. The second test runs only what the graders need (the set-up cell, the stub
-cells and the grader cells) in a real kernel, and expects every grader to fail with
-"not implemented yet" rather than a traceback from inside ddplab. Budget: ~1 minute.
+The in-step check is static (no kernel): run nbgrader's generate_assignment on every lab and
+compare its notebooks with labs/exercises/ byte for byte. The last test runs only what the
+graders need (the set-up cell, the stub cells and the grader cells) in a real kernel, and
+expects every grader to fail with "not implemented yet" rather than a traceback from inside
+ddplab. Budget: ~1 minute.
 """
 import nbformat
 import pytest
@@ -14,24 +15,65 @@ from ddplab.course import exercises
 LABS = exercises.LABS
 
 
-def test_every_lab_has_an_exercise_twin_in_step_with_it():
+def test_every_exercise_is_byte_for_byte_what_nbgrader_generates_from_its_lab():
     assert exercises.out_of_step() == [], "run: python -m ddplab.course.exercises"
     assert len(exercises.pairs()) >= 4
 
 
+def test_labs_are_nbgrader_source_notebooks_with_a_grader_after_each_solution():
+    for sol, _ in exercises.pairs():
+        cells = nbformat.read(str(sol), as_version=4).cells
+        roles = [exercises.role(c) for c in cells]
+        assert "solution" in roles and "grader" in roles, sol.name
+        ids = [c.metadata.nbgrader["grade_id"] for c in cells if exercises.role(c)]
+        assert len(ids) == len(set(ids)), sol.name
+        for cell, r in zip(cells, roles):
+            if r is None:
+                assert "nbgrader" not in cell.metadata and exercises.BEGIN not in cell.source
+                continue
+            meta = cell.metadata.nbgrader
+            assert meta["schema_version"] == 3 and cell.cell_type == "code"
+            if r == "solution":
+                assert exercises.BEGIN in cell.source and exercises.END in cell.source
+                assert not meta["grade"] and not meta["locked"]
+            else:
+                assert meta["points"] > 0 and meta["locked"] and not meta["solution"]
+            # the old tags are gone: nbgrader's metadata is the one source
+            assert not {"solution", "grader", "raises-exception"} & set(exercises.tags(cell))
+        # the first exercise's grader comes after its solution
+        assert roles.index("solution") < roles.index("grader"), sol.name
+
+
 def test_each_exercise_has_stubs_and_graders_and_no_solution_left():
+    from nbgrader.utils import compute_checksum
+
     for sol, ex in exercises.pairs():
         nb = nbformat.read(str(ex), as_version=4)
-        stubs = [c for c in nb.cells if "solution" in exercises.tags(c)]
-        graders = [c for c in nb.cells if "grader" in exercises.tags(c)]
+        stubs = [c for c in nb.cells if exercises.role(c) == "solution"]
+        graders = [c for c in nb.cells if exercises.role(c) == "grader"]
         assert stubs and graders, ex.name
         assert all(exercises.STUB in c.source and exercises.BEGIN not in c.source for c in stubs)
         # "Run All" goes on past a failed grader (JupyterLab honours this tag)
         assert all("raises-exception" in exercises.tags(c) for c in graders)
-        assert "raises-exception" not in str(nbformat.read(str(sol), as_version=4).cells)
+        # nbgrader's checksums: autograde sees an untouched grader as untouched
+        assert all(c.metadata.nbgrader["checksum"] == compute_checksum(c) for c in graders)
+        assert all(c.metadata["editable"] is False for c in graders)
+        assert nb.cells[1].id == exercises.HEADER_ID
         assert f"../{sol.name}" in nb.cells[1].source  # says where the solution is
+        assert all(c.get("outputs", []) == [] for c in nb.cells)
 
 
+def _one_lab(labs, source, nbgrader):
+    nb = nbformat.v4.new_notebook(metadata={"kernelspec": {"name": "python3", "language": "python",
+                                                           "display_name": "Python 3"}})
+    nb.cells = [nbformat.v4.new_markdown_cell("# Lab 42"), nbformat.v4.new_code_cell(source)]
+    if nbgrader is not None:
+        nb.cells[1].metadata["nbgrader"] = nbgrader
+    (labs / "exercises").mkdir(parents=True, exist_ok=True)
+    nbformat.write(nb, str(labs / "42-x.ipynb"))
+
+
+@pytest.mark.slow
 def test_an_edited_lab_is_out_of_step_until_regenerated(tmp_path):
     labs = tmp_path / "labs"
     (labs / "exercises").mkdir(parents=True)
@@ -40,19 +82,30 @@ def test_an_edited_lab_is_out_of_step_until_regenerated(tmp_path):
     nbformat.write(nb, str(labs / sol.name))
     exercises.write_all(labs)
     assert exercises.out_of_step(labs) == []
-    cell = next(c for c in nb.cells if "solution" in exercises.tags(c))
+    cell = next(c for c in nb.cells if exercises.role(c) == "solution")
     cell.source = cell.source.replace("def ", "def renamed_", 1)
     nbformat.write(nb, str(labs / sol.name))
     assert any("differs" in p for p in exercises.out_of_step(labs))
 
 
-def test_stubbing_keeps_the_indentation_and_what_is_outside_the_markers():
-    src = "def f(x):\n    y = 1\n    # BEGIN SOLUTION\n    return x + y\n    # END SOLUTION\n"
-    assert exercises.stub_source(src) == "def f(x):\n    y = 1\n    " + exercises.STUB
-    with pytest.raises(ValueError, match="without"):
-        exercises.stub_source("# BEGIN SOLUTION\nx = 1\n")
-    with pytest.raises(ValueError, match="no '# BEGIN SOLUTION'"):
-        exercises.stub_source("x = 1\n")
+@pytest.mark.slow
+def test_stubbing_keeps_the_indentation_and_what_is_outside_the_markers(tmp_path):
+    solution = {"solution": True, "grade": False, "locked": False, "grade_id": "f",
+                "schema_version": 3, "task": False}
+    labs = tmp_path / "labs"
+    _one_lab(labs, "def f(x):\n    y = 1\n    # BEGIN SOLUTION\n    return x + y\n    # END SOLUTION",
+             solution)
+    (out,) = exercises.write_all(labs)
+    cells = nbformat.read(str(out), as_version=4).cells
+    assert [c.id for c in cells][1] == exercises.HEADER_ID
+    assert cells[2].source == "def f(x):\n    y = 1\n    " + exercises.STUB
+    # nbgrader refuses a solution region outside a solution cell, and an unclosed one
+    _one_lab(labs, "x = 1\n# BEGIN SOLUTION\nx = 2\n# END SOLUTION", None)
+    with pytest.raises(ValueError, match="non-solution cell"):
+        exercises.write_all(labs)
+    _one_lab(labs, "# BEGIN SOLUTION\nx = 2", solution)
+    with pytest.raises(ValueError, match="no end solution"):
+        exercises.write_all(labs)
 
 
 @pytest.mark.timeout(180)
@@ -72,9 +125,9 @@ def test_untouched_exercises_fail_their_graders_with_not_implemented_yet():
             setup = execute(kc, source, timeout=120)
             assert setup["status"] == "ok", (ex.name, setup["traceback"])
             for cell in code:
-                if "solution" in exercises.tags(cell):
+                if exercises.role(cell) == "solution":
                     assert execute(kc, cell.source)["status"] == "ok"
-                elif "grader" in exercises.tags(cell):
+                elif exercises.role(cell) == "grader":
                     out = execute(kc, cell.source, timeout=120)
                     assert out["ename"] == "CheckFailed", (ex.name, cell.id, out["traceback"][-2000:])
                     assert out["evalue"].startswith("not implemented yet"), (ex.name, out["evalue"])

@@ -1,61 +1,57 @@
-"""One source, two notebooks: each lab is its own solution, and its exercise twin is generated.
+"""One source, two notebooks: each lab is an nbgrader source notebook, its exercise twin nbgrader's output.
 
 ``labs/NN-topic.ipynb`` is the complete notebook (nbval runs it in
-``make test``). Cells tagged ``solution`` hold the learner's code, with the
-part the learner writes between two marker lines::
+``make test``) and an nbgrader *source* notebook: its cells carry
+``metadata.nbgrader`` (schema 3). A solution cell (``solution: true``)
+holds the learner's code, with the part the learner writes between two
+marker lines::
 
     def my_average_gradients(model):
         # BEGIN SOLUTION
         ...
         # END SOLUTION
 
-``labs/exercises/NN-topic.ipynb`` is the same notebook with every such part
-replaced by ``raise NotImplementedError`` (indented like the marker), no
-outputs, a first cell saying where the solution is, and every cell tagged
-``grader`` also tagged ``raises-exception``, so that "Run All" goes on past a
-failing check (the cells after it fall back to ddplab's own code).
+and the cell after it is its grader (``grade: true``, ``points``,
+``locked: true``): autograded tests, in nbgrader's words.
+
+``labs/exercises/NN-topic.ipynb`` is, byte for byte, what nbgrader's own
+``generate_assignment`` writes for that notebook (run here in a course folder
+under a temporary directory), configured by :func:`configure`:
+
+- each solution region becomes ``raise NotImplementedError  # your code here``,
+  indented like its marker (``ClearSolutions.code_stub``); nbgrader's default
+  delimiter ``BEGIN SOLUTION`` is matched inside the line, so ddplab's
+  ``# BEGIN SOLUTION`` markers are nbgrader's markers as they are;
+- two small preprocessors of ddplab's own, run after nbgrader's: a header cell
+  saying where the solution is, and the ``raises-exception`` tag on every
+  grader, so that "Run All" in JupyterLab goes on past a failing check (the
+  cells after it fall back to ddplab's own code). nbgrader has neither.
 
     python -m ddplab.course.exercises           # rewrite labs/exercises/ from labs/
     python -m ddplab.course.exercises --check   # exit 1 if they are not in step
 
-Leaves out: hidden tests and points (nbgrader does those); a solution cell
-is stubbed only between its markers, so what is outside them is shown to
-the learner as given.
+An instructor's ``nbgrader_config.py`` calls ``configure(c)`` so that
+``nbgrader generate_assignment`` in a course gives the same notebooks.
+
+Leaves out: hidden tests (every check is visible to the learner), manually
+graded answers and tasks. References: nbgrader's "Creating and grading
+assignments" and its ``GenerateAssignment`` / ``ClearSolutions`` docs.
 """
 from __future__ import annotations
 
-import copy
 import pathlib
+import shutil
 import sys
+import tempfile
+
+from nbconvert.preprocessors import Preprocessor
+from traitlets import Bool
 
 BEGIN, END = "# BEGIN SOLUTION", "# END SOLUTION"
 STUB = "raise NotImplementedError  # your code here"
 LABS = pathlib.Path(__file__).resolve().parents[2] / "labs"
 HEADER_ID = "exercise-header"
-
-
-def stub_source(source: str, where: str = "a cell") -> str:
-    """``source`` with every BEGIN/END SOLUTION block replaced by an indented stub."""
-    out, inside, found = [], None, 0
-    for line in source.splitlines():
-        stripped = line.strip()
-        if stripped == BEGIN:
-            if inside is not None:
-                raise ValueError(f"{where}: '{BEGIN}' inside another solution block")
-            inside = line[: len(line) - len(line.lstrip())]
-            out.append(inside + STUB)
-            found += 1
-        elif stripped == END:
-            if inside is None:
-                raise ValueError(f"{where}: '{END}' without '{BEGIN}'")
-            inside = None
-        elif inside is None:
-            out.append(line)
-    if inside is not None:
-        raise ValueError(f"{where}: '{BEGIN}' without '{END}'")
-    if not found:
-        raise ValueError(f"{where} is tagged 'solution' but has no '{BEGIN}' ... '{END}' block")
-    return "\n".join(out)
+ASSIGNMENT = "exercises"  # the assignment the temporary course generates
 
 
 def header(solution_name: str) -> str:
@@ -69,23 +65,51 @@ def tags(cell) -> list:
     return list(cell.get("metadata", {}).get("tags", []))
 
 
-def make_exercise(nb, solution_name: str):
-    """The exercise twin of the solution notebook ``nb`` (an nbformat node)."""
-    import nbformat
+def role(cell) -> str | None:
+    """``"solution"``, ``"grader"`` or None, from the cell's nbgrader metadata."""
+    meta = cell.get("metadata", {}).get("nbgrader", {})
+    if meta.get("solution"):
+        return "solution"
+    if meta.get("grade"):
+        return "grader"
+    return None
 
-    ex = copy.deepcopy(nb)
-    for i, cell in enumerate(ex.cells):
-        t = tags(cell)
-        if cell.cell_type == "code":
-            cell.outputs, cell.execution_count = [], None
-        if "solution" in t:
-            cell.source = stub_source(cell.source, f"{solution_name} cell {i}")
-        if "grader" in t and "raises-exception" not in t:
-            cell.metadata["tags"] = t + ["raises-exception"]
-    note = nbformat.v4.new_markdown_cell(header(solution_name))
-    note.id = HEADER_ID
-    ex.cells.insert(1 if ex.cells and ex.cells[0].cell_type == "markdown" else 0, note)
-    return ex
+
+class ExerciseHeader(Preprocessor):
+    """Inserts the header cell (after the title) that points at the solution notebook."""
+
+    enabled = Bool(True).tag(config=True)  # nbgrader registers its preprocessors disabled
+
+    def preprocess(self, nb, resources):
+        import nbformat
+
+        note = nbformat.v4.new_markdown_cell(header(resources["unique_key"] + ".ipynb"))
+        note.id = HEADER_ID
+        nb.cells.insert(1 if nb.cells and nb.cells[0].cell_type == "markdown" else 0, note)
+        return nb, resources
+
+
+class GradersRaise(Preprocessor):
+    """Tags every grader ``raises-exception``: JupyterLab's Run All then goes on past it."""
+
+    enabled = Bool(True).tag(config=True)
+
+    def preprocess_cell(self, cell, resources, index):
+        if role(cell) == "grader" and "raises-exception" not in tags(cell):
+            cell.metadata["tags"] = tags(cell) + ["raises-exception"]
+        return cell, resources
+
+
+def configure(c):
+    """Sets ddplab's stub and preprocessors on an nbgrader ``Config`` ``c``; returns ``c``."""
+    from nbgrader.converters import GenerateAssignment
+
+    c.ClearSolutions.code_stub = {"python": STUB}
+    c.ClearSolutions.begin_solution_delimeter = BEGIN  # nbgrader's spelling ("delimeter")
+    c.ClearSolutions.end_solution_delimeter = END
+    nbgraders_own = GenerateAssignment.class_traits()["preprocessors"].default()
+    c.GenerateAssignment.preprocessors = list(nbgraders_own) + [ExerciseHeader, GradersRaise]
+    return c
 
 
 def pairs(labs: pathlib.Path = LABS):
@@ -93,37 +117,58 @@ def pairs(labs: pathlib.Path = LABS):
     return [(p, labs / "exercises" / p.name) for p in sorted(labs.glob("[0-9][0-9]-*.ipynb"))]
 
 
-def write_all(labs: pathlib.Path = LABS) -> list:
-    import nbformat
+def generate(labs: pathlib.Path, out: pathlib.Path) -> list:
+    """Runs nbgrader's generate_assignment on the labs; writes its notebooks into ``out``."""
+    try:
+        from nbgrader.converters import GenerateAssignment
+        from nbgrader.coursedir import CourseDirectory
+        from nbgrader.utils import capture_log
+        from traitlets.config import Config
+    except ImportError as e:
+        raise SystemExit(f"{e}: nbgrader is needed; pip install -c constraints.txt -e '.[test]'")
+    with tempfile.TemporaryDirectory(prefix="ddplab-nbgrader-") as tmp:
+        course = pathlib.Path(tmp)
+        source = course / "source" / ASSIGNMENT
+        source.mkdir(parents=True)
+        for sol, _ in pairs(labs):
+            shutil.copyfile(sol, source / sol.name)
+        c = configure(Config())
+        c.CourseDirectory.root = str(course)
+        c.CourseDirectory.assignment_id = ASSIGNMENT
+        c.Application.log_level = "WARN"
+        # `nbgrader generate_assignment --no-db`: the notebooks are the same, and no gradebook
+        # (nbgrader's gradebook runs the `alembic` command, found only on an activated PATH)
+        c.SaveCells.enabled = False
+        c.GenerateAssignment.no_database = True
+        app = GenerateAssignment(coursedir=CourseDirectory(config=c), config=c)
+        app.force = True
+        result = capture_log(app)
+        if not result["success"]:
+            raise ValueError("nbgrader generate_assignment failed on labs/:\n"
+                             + result.get("log", "") + result.get("error", ""))
+        out.mkdir(parents=True, exist_ok=True)
+        written = []
+        for sol, _ in pairs(labs):
+            (out / sol.name).write_bytes((course / "release" / ASSIGNMENT / sol.name).read_bytes())
+            written.append(out / sol.name)
+        return written
 
-    written = []
-    for sol, ex in pairs(labs):
-        ex.parent.mkdir(exist_ok=True)
-        nbformat.write(make_exercise(nbformat.read(str(sol), as_version=4), sol.name), str(ex))
-        written.append(ex)
-    return written
+
+def write_all(labs: pathlib.Path = LABS) -> list:
+    return generate(labs, labs / "exercises")
 
 
 def out_of_step(labs: pathlib.Path = LABS) -> list:
-    """What differs between each exercise notebook and the one its solution generates."""
-    import nbformat
-
-    problems = []
-    for sol, ex in pairs(labs):
-        want = make_exercise(nbformat.read(str(sol), as_version=4), sol.name)
-        if not ex.exists():
-            problems.append(f"{ex.relative_to(labs.parent)} is missing")
-            continue
-        have = nbformat.read(str(ex), as_version=4)
-        if len(have.cells) != len(want.cells):
-            problems.append(f"{ex.name}: {len(have.cells)} cells, its solution gives {len(want.cells)}")
-            continue
-        for i, (h, w) in enumerate(zip(have.cells, want.cells)):
-            if (h.cell_type, h.source, sorted(tags(h))) != (w.cell_type, w.source, sorted(tags(w))):
-                problems.append(f"{ex.name} cell {i} differs from what {sol.name} gives")
-            if h.cell_type == "code" and (h.outputs or h.execution_count is not None):
-                problems.append(f"{ex.name} cell {i} has outputs (commit exercises without them)")
-    return problems
+    """What differs, byte for byte, between labs/exercises/ and what nbgrader generates now."""
+    with tempfile.TemporaryDirectory() as tmp:
+        problems = []
+        for fresh in generate(labs, pathlib.Path(tmp)):
+            have = labs / "exercises" / fresh.name
+            if not have.exists():
+                problems.append(f"{have.relative_to(labs.parent)} is missing")
+            elif have.read_bytes() != fresh.read_bytes():
+                problems.append(f"{have.relative_to(labs.parent)} differs from what nbgrader generates")
+        return problems
 
 
 def main(argv=None) -> int:
