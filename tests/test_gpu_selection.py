@@ -109,7 +109,7 @@ def test_backend_names_read_the_device_mapped_group():
 
 
 def test_doctor_lists_each_gpu_with_free_memory_and_users(monkeypatch, capsys):
-    from ddplab.cli.compare import doctor
+    from ddplab.cli import doctor
     from ddplab.cluster import gpus
 
     fake = _server((4242,), (), (), ()) + [GPU(4, "H100", "GPU-4", 81559, 900, None)]

@@ -19,12 +19,23 @@ Every collective goes through ``ddplab.sync.comm`` (bytes counted, optional
 recorder, the place a simulated link attaches). These modules know nothing
 about notebooks or clusters: they take a module and an optional process group.
 """
-from ddplab.sync import comm, comm_hooks
-from ddplab.sync.bucket import MB, assign_buckets
-from ddplab.sync.bucketed import BucketedDDP
-from ddplab.sync.comm import ListRecorder, counting
-from ddplab.sync.manual import average_gradients, broadcast_parameters
-from ddplab.sync.overlap import OverlapDDP
+# Names load on first use (PEP 562): importing the package must not import torch, because the
+# widgets and the front doors read the strategy registry (ddplab.sync.registry) without training.
+_NAMES = {
+    "average_gradients": "manual", "broadcast_parameters": "manual", "OverlapDDP": "overlap",
+    "BucketedDDP": "bucketed", "counting": "comm", "ListRecorder": "comm",
+    "assign_buckets": "bucket", "MB": "bucket",
+}
 
 __all__ = ["average_gradients", "broadcast_parameters", "OverlapDDP", "BucketedDDP", "comm",
            "comm_hooks", "counting", "ListRecorder", "assign_buckets", "MB"]
+
+
+def __getattr__(name):
+    import importlib
+
+    if name in ("comm", "comm_hooks"):
+        return importlib.import_module(f"ddplab.sync.{name}")
+    if name in _NAMES:
+        return getattr(importlib.import_module(f"ddplab.sync.{_NAMES[name]}"), name)
+    raise AttributeError(f"module 'ddplab.sync' has no attribute {name!r}")
