@@ -127,10 +127,14 @@ def test_16_bit_hooks_halve_the_bytes_for_a_small_measured_error(cluster):
     assert rows["fp16"]["grad_dtype"] == "torch.float32"
 
 
-def test_torch_refuses_its_bf16_hook_on_cpu_but_runs_fp16(cluster):
+def test_torch_runs_its_bf16_hook_exactly_where_its_build_allows_and_fp16_everywhere(cluster):
     assert cluster.run(C.torch_hook_on_rank, "fp16_compress_hook")[0]["ran"]
     bf16 = cluster.run(C.torch_hook_on_rank, "bf16_compress_hook")[0]
-    assert not bf16["ran"] and "NCCL" in bf16["error"]
+    # torch's test reads how it was built, not the devices or the backend the ranks use
+    assert bf16["ran"] == bf16["bf16_allowed"]
+    cuda_build = torch.version.cuda is not None or torch.version.hip is not None
+    if not cuda_build and not (hasattr(torch, "xpu") and torch.xpu.is_available()):
+        assert not bf16["ran"] and "NCCL" in bf16["error"]  # the CPU wheel pinned here
 
 
 def test_zero_holds_about_half_the_optimizer_state_on_two_ranks_and_trains_the_same(cluster):

@@ -30,8 +30,8 @@ MODULES = {
                            "firstgroup", "hangs", "pipeline", "reducer_map", "ring", "training"]},
     6: {"ddplab.widgets": ["", "compare", "demo", "gantt", "html", "live", "panel", "scaling",
                            "sweep"]},
-    7: {"ddplab.checks": ["", "compression", "data", "graders", "hangs", "mistakes", "on_rank",
-                          "pipeline", "ring", "watch", "workload"]},
+    7: {"ddplab.checks": ["", "compression", "data", "firstgroup", "graders", "hangs", "mistakes", "on_rank",
+                          "pipeline", "reducer_map", "ring", "watch", "workload"]},
     # the front doors: they may use everything below
     8: {"ddplab.notebook": ["", "completion", "ddpcell", "export", "magics", "rankview"],
         "ddplab.course": ["", "exercises", "handouts", "labsetup"],

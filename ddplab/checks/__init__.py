@@ -36,10 +36,11 @@ __all__ = ["check_average_gradients", "check_overlap_ddp", "check_bucketed_ddp",
            "CheckFailed", "CheckResult", "passed", "yours_or_ours", "loss_fn", "attempt",
            "run_exercise"]
 
-# lab 00: the ring all-reduce
+# lab 00: a send/recv pair (the warm-up), then the ring all-reduce
+from ddplab.checks.firstgroup import check_pass_right  # noqa: E402
 from ddplab.checks.ring import check_ring_all_reduce  # noqa: E402
 
-__all__ += ["check_ring_all_reduce"]
+__all__ += ["check_pass_right", "check_ring_all_reduce"]
 
 # lab 05: data and checkpoints
 from ddplab.checks.data import check_batch_stats, check_sampler_indices  # noqa: E402
@@ -56,3 +57,8 @@ from ddplab.checks.pipeline import check_pipeline_step  # noqa: E402
 from ddplab.checks.hangs import check_agreed_steps  # noqa: E402
 
 __all__ += ["check_pipeline_step", "check_agreed_steps"]
+
+# lab 09: predict torch DDP's buckets, checked against the live reducer
+from ddplab.checks.reducer_map import check_bucket_assignment  # noqa: E402
+
+__all__ += ["check_bucket_assignment"]

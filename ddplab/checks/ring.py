@@ -5,9 +5,10 @@ Cluster of at least 3 ranks, on float64 tensors whose lengths do not divide by
 the world size, holding whole numbers (so every order of addition gives the
 same sum exactly). It compares each rank's tensor afterwards with what
 ``dist.all_reduce`` (SUM, in place) gives on the same data, and counts the
-bytes each rank sent (``ddplab.lessons.ring.watch_p2p``). Inside the check a blocking
-``send`` waits for its receiver, as on NCCL, so a ring in which every rank
-sends first stops after ``timeout`` seconds with a message instead of hanging.
+bytes each rank sent (``ddplab.lessons.ring.watch_p2p``). A blocking gloo
+``send`` waits for its receiver's ``recv``, so a ring in which every rank
+sends first deadlocks; inside the check it stops after ``timeout`` seconds
+with a message instead of hanging.
 
 Named mistakes: a collective used instead of send/recv; deadlock (every rank
 blocked in send); sends and recvs that do not pair up; chunks that do not
@@ -40,7 +41,7 @@ EXPLAIN.update({
     COLLECTIVE: "the exercise is to build all_reduce from dist.send/dist.recv (and isend/irecv); "
                 "no collective may do the work for you.",
     DEADLOCK: "every rank called a blocking dist.send first. A send waits until its receiver "
-              "posts the matching recv (on NCCL always; gloo hides it only for small messages), "
+              "posts the matching recv (on gloo at every size; on NCCL the GPUs may wait the same way), "
               "so all ranks wait and none receives. Post the send with dist.isend, then recv, then "
               "wait for the send; or let even ranks send first and odd ranks receive first.",
     UNPAIRED: "a rank waited for a message that its neighbour never sent (or sent one nobody "

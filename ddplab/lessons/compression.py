@@ -5,9 +5,12 @@ Teaches, measured on the live ranks:
 - ``hook_on_rank``: a comm hook that casts each bucket to float16 or
   bfloat16 halves the gradient bytes (counted at ``ddplab.sync.comm``) and
   moves the averaged gradient by a measurable relative error against the
-  exact float64 mean. ddplab's hooks are used on CPU because torch 2.13
-  refuses a hook named ``bf16_compress_hook`` without CUDA and NCCL >= 2.10
-  (``torch_hook_on_rank`` shows the refusal), and because torch's hooks call
+  exact float64 mean. ddplab's hooks are used because torch 2.13 refuses a
+  hook named ``bf16_compress_hook`` unless torch was BUILT with CUDA or HIP
+  and NCCL >= 2.10, or with XCCL and sees an XPU (``bf16_hook_allowed``
+  repeats that test; the devices and the backend in use do not enter it, so
+  a CUDA build runs the hook on gloo CPU ranks, the CPU wheel refuses it:
+  ``torch_hook_on_rank`` shows which), and because torch's hooks call
   torch.distributed directly, where nothing counts their bytes;
 - ``zero_on_rank``: ``ZeroRedundancyOptimizer`` keeps each rank's share of
   the optimizer state only (about 1/world_size of Adam's two moments),
@@ -75,9 +78,22 @@ def hook_on_rank(hook="none", bucket_cap_mb: float = 0.01) -> dict:
             "rel_error": relative_error([p.grad for p in model.module.parameters()], ref)}
 
 
+def bf16_hook_allowed() -> bool:
+    """torch 2.13's test in ``DistributedDataParallel._check_comm_hook`` for a hook named
+    ``bf16_compress_hook``: how torch was built (CUDA/HIP with NCCL >= 2.10), or XCCL with an
+    XPU present. Which devices or backend the ranks use does not enter it."""
+    import torch.distributed as dist
+
+    cuda_build = torch.version.cuda is not None or torch.version.hip is not None
+    nccl = dist.is_available() and dist.is_nccl_available() and torch.cuda.nccl.version() >= (2, 10)
+    xccl = (dist.is_available() and getattr(dist, "is_xccl_available", lambda: False)()
+            and hasattr(torch, "xpu") and torch.xpu.is_available())
+    return bool((cuda_build and nccl) or xccl)
+
+
 def torch_hook_on_rank(name: str) -> dict:
     """Register torch's own ``default_hooks.<name>`` on torch DDP and run one step:
-    ``{"ran": bool, "error": message or None}`` (bf16 is refused without CUDA + NCCL)."""
+    ``{"ran": bool, "error": message or None}`` (bf16 runs only where ``bf16_hook_allowed``)."""
     import torch.distributed as dist
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
     from torch.nn.parallel import DistributedDataParallel as DDP
@@ -88,8 +104,10 @@ def torch_hook_on_rank(name: str) -> dict:
         ddp.register_comm_hook(None, getattr(default_hooks, name))
         F.mse_loss(ddp(x), y).backward()
     except Exception as err:  # the refusal is what is shown
-        return {"ran": False, "error": f"{type(err).__name__}: {err}".split("\n")[0]}
-    return {"ran": True, "error": None, "grad_dtype": str(ddp.module[0].weight.grad.dtype)}
+        return {"ran": False, "error": f"{type(err).__name__}: {err}".split("\n")[0],
+                "bf16_allowed": bf16_hook_allowed()}
+    return {"ran": True, "error": None, "grad_dtype": str(ddp.module[0].weight.grad.dtype),
+            "bf16_allowed": bf16_hook_allowed()}
 
 
 def state_bytes(optimizer) -> int:

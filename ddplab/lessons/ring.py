@@ -1,7 +1,8 @@
 """A ring all-reduce from send and recv, and what it costs: the algorithm behind all_reduce.
 
-Teaches: ``dist.all_reduce`` on p ranks is (for large tensors, in NCCL and
-gloo alike) a ring. The tensor is cut into p chunks; in p-1 steps of
+Teaches: the ring, the classic bandwidth-optimal way to all-reduce large
+tensors (libraries choose among several algorithms per call; the ring is the
+one whose cost is easiest to count). The tensor is cut into p chunks; in p-1 steps of
 REDUCE-SCATTER every rank sends one chunk to its right neighbour and adds the
 chunk arriving from its left, so that afterwards rank r holds the full sum of
 one chunk; in p-1 steps of ALL-GATHER the finished chunks travel round the
@@ -11,11 +12,15 @@ there are. That is why DDP's traffic per step is about twice the gradients'
 size, and why the time of an all-reduce hardly grows with p.
 
 ``ring_all_reduce(tensor)`` is ddplab's version (the lab's exercise is to
-write it); ``watch_p2p`` counts what a rank sends and receives and gives
-blocking ``send`` the semantics it has on NCCL: it waits until its receiver
-has posted the matching ``recv``. A program that only works because gloo
-buffers small messages (every rank sending first) then stops after
-``timeout`` seconds with a message instead of hanging on a GPU machine.
+write it); ``watch_p2p`` counts what a rank sends and receives, and a
+blocking ``send`` that waits for its receiver stops after ``timeout``
+seconds with a message instead of hanging. ``send_waits_on_rank`` measures
+how long a blocking ``dist.send`` takes when the receiver is late: on gloo
+(CPU tensors) ``send`` returns only once the receiver has posted its
+``recv``, whatever the size; on NCCL ``send`` returns to the host once it is
+queued on the GPU (``WorkNCCL::wait`` makes the current stream wait, see
+torch/include/torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp), so a ring in
+which every rank sends first may or may not deadlock there: never rely on it.
 
 Leaves out, compared with NCCL and gloo: trees and other algorithms chosen
 for small messages or many nodes, pipelining a chunk in slices, several rings
@@ -68,6 +73,30 @@ def ring_all_reduce(tensor, group=None):
         work.wait()
         recv.copy_(incoming)
     return tensor
+
+
+def send_waits_on_rank(delay_s: float = 0.5, numel: int = 1) -> dict:
+    """Rank 0 ``dist.send``s ``numel`` floats to rank 1, which posts its ``recv`` only after
+    ``delay_s``: how long did the blocking send take on rank 0? (Other ranks idle.)"""
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    from ddplab.cluster.backend import backend_name, device
+
+    t = torch.ones(numel, device=device())
+    rank = dist.get_rank()
+    took = None
+    if rank == 0:
+        t0 = time.perf_counter()
+        dist.send(t, 1)
+        took = time.perf_counter() - t0
+    elif rank == 1:
+        time.sleep(delay_s)
+        dist.recv(t, 0)
+    dist.barrier()
+    return {"backend": backend_name(), "send_s": took, "delay_s": delay_s, "numel": numel}
 
 
 def _peer(group_rank, group):

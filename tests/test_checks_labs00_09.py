@@ -1,0 +1,182 @@
+"""Lab 00's warm-up (a send/recv pair) and lab 09's exercise (predict torch DDP's buckets):
+correct answers written several ways pass, each planted slip is named; gloo's blocking send
+waits for its receiver. Budget: ~40 s (3 ranks for lab 00, 2 for lab 09).
+"""
+import sys
+
+import cloudpickle
+import pytest
+import torch
+import torch.distributed as dist
+
+import ddplab
+from ddplab.checks import CheckFailed, check_pass_right
+from ddplab.checks import firstgroup as W
+from ddplab.checks import reducer_map as B
+from ddplab.lessons import ring
+
+cloudpickle.register_pickle_by_value(sys.modules[__name__])
+pytestmark = pytest.mark.timeout(300)
+
+
+# -- lab 09: torch's bucket rule -----------------------------------------------------------------
+def rule_by_hand(params, bucket_cap_mb=None):
+    """A learner's version: one open bucket per dtype, add then close at the limit."""
+    mib = 1024 * 1024
+    limits = [1 * mib, 25 * mib] if bucket_cap_mb is None else [bucket_cap_mb * mib]
+    buckets, open_ = [], {}
+    for i in reversed(range(len(params))):
+        p = params[i]
+        idx, size, k = open_.get(p.dtype, ([], 0, 0))
+        idx, size = idx + [i], size + p.numel() * p.element_size()
+        if size >= limits[k]:
+            buckets.append(idx)
+            idx, size, k = [], 0, min(k + 1, len(limits) - 1)
+        open_[p.dtype] = (idx, size, k)
+    return buckets + [idx for idx, _, _ in open_.values() if idx]
+
+
+def rule_with_torch(params, bucket_cap_mb=None):
+    """Another: torch's own helper, given the parameters in gradient-ready order."""
+    limits = ([dist._DEFAULT_FIRST_BUCKET_BYTES, 25 * 2 ** 20] if bucket_cap_mb is None
+              else [int(bucket_cap_mb * 2 ** 20)])
+    order = list(reversed(range(len(params))))
+    buckets, _ = dist._compute_bucket_assignment_by_size(
+        [params[i] for i in order], limits, [False] * len(params), order)
+    return [list(b) for b in buckets]
+
+
+def rule_as_tuples(params, bucket_cap_mb=None):
+    """And one returning tuples of numpy-style ints: any sequence of indices is an answer."""
+    return tuple(tuple(torch.tensor(b).tolist()) for b in rule_by_hand(params, bucket_cap_mb))
+
+
+def test_every_slip_changes_the_layout_of_some_case():
+    for mistake, switches in B.SLIPS.items():
+        differs = [cap for layers, cap in B.CASES
+                   if B.layout(list(B.case_model(layers).parameters()), cap, **switches)
+                   != B.layout(list(B.case_model(layers).parameters()), cap)]
+        assert differs, mistake
+
+
+@pytest.fixture(scope="module")
+def live_buckets():
+    with ddplab.Cluster(world_size=2) as c:
+        yield c.run(B.rebuilt_buckets_on_rank, B.CASES)[0]
+
+
+@pytest.mark.slow
+def test_the_rule_predicts_torchs_live_reducer_and_correct_answers_pass(live_buckets):
+    for (layers, cap), want in zip(B.CASES, live_buckets):
+        assert B.layout(list(B.case_model(layers).parameters()), cap) == want
+    for fn in (rule_by_hand, rule_with_torch, rule_as_tuples):
+        B.judge(fn, live_buckets)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mistake", list(B.SLIPS))
+def test_each_slip_is_named(live_buckets, mistake):
+    def slipped(params, bucket_cap_mb):
+        return B.layout(params, bucket_cap_mb, **B.SLIPS[mistake])
+    with pytest.raises(CheckFailed) as err:
+        B.judge(slipped, live_buckets)
+    assert err.value.mistake == mistake
+
+
+@pytest.mark.slow
+def test_a_stub_a_crash_and_a_non_answer_are_verdicts_in_words(live_buckets):
+    def stub(params, bucket_cap_mb):
+        raise NotImplementedError
+
+    def crash(params, bucket_cap_mb):
+        return params[99]
+
+    for fn, mistake in ((stub, "not implemented yet"), (crash, "your code raised an exception"),
+                        (lambda params, cap: None, B.NOT_BUCKETS),
+                        (lambda params, cap: [list(range(len(params)))], B.WRONG_LAYOUT)):
+        with pytest.raises(CheckFailed) as err:
+            B.judge(fn, live_buckets)
+        assert err.value.mistake == mistake
+
+
+# -- lab 00: the warm-up pair, and what a blocking send waits for --------------------------------
+def pass_isend_first(t):
+    rank, p = dist.get_rank(), dist.get_world_size()
+    buf = torch.empty_like(t)
+    req = dist.isend(t, (rank + 1) % p)
+    dist.recv(buf, (rank - 1) % p)
+    req.wait()
+    return buf
+
+
+def pass_even_odd(t):
+    rank, p = dist.get_rank(), dist.get_world_size()
+    buf = torch.empty_like(t)
+    if rank % 2 == 0:
+        dist.send(t, (rank + 1) % p)
+        dist.recv(buf, (rank - 1) % p)
+    else:
+        dist.recv(buf, (rank - 1) % p)
+        dist.send(t, (rank + 1) % p)
+    return buf
+
+
+def pass_irecv_first(t):
+    rank, p = dist.get_rank(), dist.get_world_size()
+    buf = torch.zeros_like(t)
+    req = dist.irecv(buf, (rank - 1) % p)
+    dist.send(t, (rank + 1) % p)
+    req.wait()
+    return buf
+
+
+def everyone_sends_first(t):
+    rank, p = dist.get_rank(), dist.get_world_size()
+    buf = torch.empty_like(t)
+    dist.send(t, (rank + 1) % p)
+    dist.recv(buf, (rank - 1) % p)
+    return buf
+
+
+def from_the_right(t):
+    rank, p = dist.get_rank(), dist.get_world_size()
+    buf = torch.empty_like(t)
+    req = dist.isend(t, (rank - 1) % p)
+    dist.recv(buf, (rank + 1) % p)
+    req.wait()
+    return buf
+
+
+def returns_nothing(t):
+    pass_isend_first(t)
+
+
+@pytest.fixture(scope="module")
+def three():
+    with ddplab.Cluster(world_size=3) as c:
+        yield c
+
+
+@pytest.mark.slow
+def test_warm_up_passes_written_three_ways(three):
+    for fn in (pass_isend_first, pass_even_odd, pass_irecv_first):
+        check_pass_right(three, fn)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fn,mistake", [(everyone_sends_first, W.DEADLOCK),
+                                        (from_the_right, W.FROM_THE_RIGHT),
+                                        (returns_nothing, W.NOTHING_RETURNED)])
+def test_warm_up_names_the_slip_and_leaves_usable_ranks(three, fn, mistake):
+    with pytest.raises(CheckFailed) as err:
+        check_pass_right(three, fn, timeout=2.0)
+    assert err.value.mistake == mistake
+    check_pass_right(three, pass_isend_first)
+
+
+@pytest.mark.slow
+def test_a_blocking_gloo_send_returns_only_once_the_receiver_posts_its_recv(three):
+    for numel in (1, 1_000_000):  # no size at which gloo buffers the message instead
+        r = three.run(ring.send_waits_on_rank, 0.5, numel)[0]
+        assert r["backend"] == "gloo"
+        assert r["send_s"] >= 0.4, r
