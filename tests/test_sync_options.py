@@ -385,8 +385,9 @@ def test_allreduce_hook_equals_torch_ddp_without_a_hook(cluster2):
 
 
 def torch_bf16_hook(state, bucket):
-    # torch DDP refuses a hook named bf16_compress_hook without CUDA + NCCL
-    # 2.10, although gloo reduces bfloat16 on CPU: same function, other name.
+    # torch DDP refuses a hook named bf16_compress_hook unless torch was built with
+    # CUDA/HIP and NCCL >= 2.10 (the CPU wheel was not), although gloo reduces
+    # bfloat16 on CPU: same function, other name.
     return torch_hooks.bf16_compress_hook(state, bucket)
 
 

@@ -2,7 +2,8 @@
 
 Teaches: in data-parallel code one rank's failure is everybody's problem. A
 rank that raises before a collective leaves its peers blocked inside that
-collective until the group's timeout (30 minutes by default in torch). The
+collective until the group's timeout (torch's default: 30 minutes on gloo,
+10 on NCCL). The
 Cluster turns that into one error, raised within seconds, that names the
 rank(s), the original exception, the rank's traceback with the notebook
 cell's own source lines, and what the other ranks were doing.

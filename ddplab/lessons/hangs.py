@@ -3,7 +3,7 @@
 Teaches, one function per question (lab 06):
 - ``skip_collective_on_rank``: a rank that skips a collective leaves the
   others waiting in it; nothing fails until a timeout (the Cluster's
-  ``timeout=``, torch's default is 30 minutes);
+  ``timeout=``; torch's default is 30 minutes on gloo, 10 on NCCL);
 - ``mismatched_collective_on_rank``: ranks calling different collectives.
   Under ``TORCH_DISTRIBUTED_DEBUG=DETAIL`` torch wraps the process group so
   that every collective first compares a fingerprint (op type, shapes,

@@ -40,7 +40,8 @@ D_IN, HIDDEN, D_OUT = 64, 256, 10
 
 
 def two_stage_model(seed: int = 0, dtype=torch.float32) -> nn.Sequential:
-    """Four layers; layers [0:4] are stage 0, [4:] stage 1; the cut carries HIDDEN features."""
+    """Four Linear layers with a ReLU between each; modules [0:4] (two Linear layers, 55 % of
+    the parameters) are stage 0, [4:] (two, 45 %) stage 1; the cut carries HIDDEN features."""
     torch.manual_seed(seed)
     return nn.Sequential(nn.Linear(D_IN, HIDDEN), nn.ReLU(), nn.Linear(HIDDEN, HIDDEN), nn.ReLU(),
                          nn.Linear(HIDDEN, HIDDEN), nn.ReLU(), nn.Linear(HIDDEN, D_OUT)).to(dtype)

@@ -8,10 +8,12 @@ launches it, and returns a future holding the reduced buffer. Two facts to see:
 - with a comm hook, DDP no longer divides by world size while copying into
   the bucket; the hook must divide itself (this one does, in the future's
   callback);
-- iteration 0 uses ONE bucket holding every parameter; before iteration 1 the
-  reducer rebuilds its buckets in the order gradients became ready. Those two
-  iterations are flagged ("ddp_one_bucket", "ddp_rebuild"), drawn, labelled,
-  and left out of averages.
+- with ``find_unused_parameters`` left False (the default), iteration 0 uses
+  ONE bucket holding every parameter; before iteration 1 the reducer
+  rebuilds its buckets in the order gradients became ready (with
+  ``find_unused_parameters=True`` it never rebuilds). Those two iterations
+  are flagged ("ddp_one_bucket", "ddp_rebuild"), drawn, labelled, and left
+  out of averages.
 
 Grad-ready times come from post-accumulate-grad hooks added next to DDP's own
 (they observe, they do not reduce); the last of them marks the end of
