@@ -164,6 +164,20 @@ def syncbn_refusal() -> str:
     return ""
 
 
+def syncbn_eval_gap() -> float:
+    """On a CPU rank of a gloo group: in eval, SyncBatchNorm synchronizes nothing and runs as a
+    BatchNorm (torch 2.13 syncs only in training): the largest gap between the two outputs."""
+    import torch
+
+    torch.manual_seed(0)
+    sync, plain = torch.nn.SyncBatchNorm(3).double(), torch.nn.BatchNorm1d(3).double()
+    for bn in (sync, plain):
+        bn.running_mean.fill_(0.5)
+        bn.eval()
+    x = torch.randn(4, 3, dtype=torch.float64)
+    return float((sync(x) - plain(x)).abs().max())
+
+
 def syncbn_on_gpu_rank() -> dict:
     """Run on every GPU rank: SyncBatchNorm normalizes with the statistics of ALL ranks' batches."""
     import torch

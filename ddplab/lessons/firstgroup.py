@@ -30,6 +30,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import time
 import uuid
 
 TORCHRUN_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK",
@@ -88,10 +89,7 @@ def two_nodes(script: str | None = None, nproc_per_node: int = 2, timeout: float
         nodes = [subprocess.Popen(cmd, cwd=tmp, env=env, stdout=subprocess.PIPE,
                                   stderr=subprocess.PIPE, text=True) for cmd in commands]
         try:
-            outputs = [node.communicate(timeout=timeout) for node in nodes]
-        except subprocess.TimeoutExpired:
-            raise RuntimeError(f"torchrun did not finish within {timeout:g} s (a node could not "
-                               "join the rendezvous?)") from None
+            outputs = _wait_printing(nodes, timeout)
         finally:
             for node in nodes:  # ours only; a no-op once they exited
                 node.kill()
@@ -109,6 +107,26 @@ def two_nodes(script: str | None = None, nproc_per_node: int = 2, timeout: float
     return {"ranks": dict(sorted(ranks.items())), "commands": shown, "port": port,
             "per_node": [sorted(int(l.partition("] ")[0][6:]) for l in out.splitlines()
                                 if l.startswith("[rank ")) for out, _ in outputs]}
+
+
+def _wait_printing(nodes, timeout: float) -> list:
+    """Each node's (stdout, stderr), saying every few seconds that it is still waiting (a
+    torchrun launch takes 10-25 s on a busy 2-core machine: a cell should not look stuck)."""
+    t0 = time.monotonic()
+    print(f"starting {len(nodes)} torchrun nodes (each imports torch, then they meet)...", flush=True)
+    outputs = []
+    for node in nodes:
+        while True:
+            try:
+                outputs.append(node.communicate(timeout=5.0))
+                break
+            except subprocess.TimeoutExpired:
+                if time.monotonic() - t0 > timeout:
+                    raise RuntimeError(f"torchrun did not finish within {timeout:g} s (a node could "
+                                       "not join the rendezvous?)") from None
+                print(f"  still waiting for torchrun ({time.monotonic() - t0:.0f} s)", flush=True)
+    print(f"torchrun finished in {time.monotonic() - t0:.0f} s", flush=True)
+    return outputs
 
 
 def parse_vars(line: str) -> dict:

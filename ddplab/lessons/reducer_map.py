@@ -217,6 +217,8 @@ def rebuild_on_rank(steps: int = 3, bucket_cap_mb: float = 0.004) -> dict:
     torch.manual_seed(0)
     model = _declared_out_of_order().to(device())
     names = [n for n, _ in model.named_parameters()]
+    if dist.get_rank() == 0:  # the first DDP in a process imports torch._dynamo: seconds
+        print("building torch DDP and training", steps, "steps...", flush=True)
     ddp = DDP(model, bucket_cap_mb=bucket_cap_mb)
     order: list = []
     for n, p in model.named_parameters():
