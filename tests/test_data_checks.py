@@ -233,8 +233,9 @@ def test_set_epoch_changes_the_order_and_its_absence_repeats_it(cluster):
     assert sorted(without[0][0] + without[1][0]) == list(range(16))
 
 
-def test_syncbn_refuses_cpu_tensors(cluster):
+def test_syncbn_refuses_cpu_tensors_in_training_and_is_a_batchnorm_in_eval(cluster):
     assert "GPU" in cluster.run(ckpt.syncbn_refusal)[0]
+    assert cluster.run(ckpt.syncbn_eval_gap)[0] == 0.0
 
 
 def test_a_ddp_step_is_a_step_on_the_global_batch(cluster):
