@@ -1,0 +1,117 @@
+"""The reference reducers (ddplab.sync.core): what the differential test does not show.
+
+Their training results are checked in tests/test_sync_differential.py (equal
+to the full reducers, torch DDP and one process after every step, at 2 and 3
+ranks). Here: they refuse what they do not support, naming who does; the
+bucketed one launches in index order however gradients arrive; a parameter
+that gets no gradient is an error naming it, on every rank, not a hang; a
+model wrapped twice is synchronized once.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import ddplab
+from ddplab.sync import core
+
+import _sync_helpers as H
+
+
+@pytest.fixture(scope="module")
+def cluster2():
+    with ddplab.Cluster(world_size=2) as c:
+        yield c
+
+
+@pytest.mark.parametrize("wrapper, option, full", [
+    (core.BucketedDDP, "find_unused_parameters", "ddplab.BucketedDDP"),
+    (core.BucketedDDP, "bucket_cap_mb_list", "ddplab.BucketedDDP"),
+    (core.OverlapDDP, "recorder", "ddplab.OverlapDDP")])
+def test_an_option_the_reference_leaves_out_is_refused_naming_who_has_it(wrapper, option, full):
+    with pytest.raises(TypeError, match=rf"does not take {option}.*{full}"):
+        wrapper(H.MLP(), **{option: True})
+
+
+class DeclaredBackwards(nn.Module):
+    """The last layer is declared first: reverse parameters() order is not ready order."""
+
+    def __init__(self):
+        super().__init__()
+        self.late = nn.Linear(16, H.OUT)
+        self.early = nn.Linear(H.IN, 16)
+
+    def forward(self, x):
+        return self.late(torch.tanh(self.early(x)))
+
+
+def _launch_order():
+    torch.manual_seed(0)
+    model = DeclaredBackwards().double()
+    ddp = core.BucketedDDP(model, bucket_cap_mb=1e-6)  # one parameter per bucket
+    buffers = {b.buffer.data_ptr(): b.index for b in ddp.buckets}
+    ready, launched, real = [], [], dist.all_reduce
+    names = {id(p): n for n, p in model.named_parameters()}
+    for p in model.parameters():
+        p.register_post_accumulate_grad_hook(lambda p: ready.append(names[id(p)]))
+
+    def spy(tensor, *args, **kwargs):  # looked up at call time: the reference calls dist.*
+        launched.append(buffers.get(tensor.data_ptr()))
+        return real(tensor, *args, **kwargs)
+
+    dist.all_reduce = spy
+    try:
+        x, y = H.union_batch(0, 8)
+        nn.functional.mse_loss(ddp(x), y).backward()
+    finally:
+        dist.all_reduce = real
+    return [[names[id(p)] for p in b.params] for b in ddp.buckets], ready, launched
+
+
+def test_buckets_launch_in_index_order_even_when_later_ones_are_ready_first(cluster2):
+    for layout, ready, launched in cluster2.run(_launch_order):
+        assert layout == [["early.bias"], ["early.weight"], ["late.bias"], ["late.weight"]]
+        assert ready[0].startswith("late.")  # backward finished late.* first...
+        assert launched == [0, 1, 2, 3]  # ...and they still left after 0 and 1
+
+
+class HasAnUnusedLayer(H.MLP):
+    def __init__(self):
+        super().__init__()
+        self.spare = nn.Linear(3, 3)
+
+
+def _unused(wrapper):
+    ddp = getattr(core, wrapper)(HasAnUnusedLayer().double())
+    x, y = H.union_batch(0, 8)
+    nn.functional.mse_loss(ddp(x), y).backward()
+
+
+@pytest.mark.parametrize("wrapper", ["BucketedDDP", "OverlapDDP"])
+def test_a_parameter_without_gradient_is_named_on_every_rank(cluster2, wrapper):
+    with pytest.raises(ddplab.RankError, match="spare.weight") as e:
+        cluster2.run(_unused, wrapper)
+    assert "rank 0" in str(e.value) and "rank 1" in str(e.value)
+    assert cluster2.run(lambda: 1) == [1, 1]
+
+
+def _wrap_twice(wrapper):
+    model = H.make_model("mlp", 0)
+    x, y = H.union_batch(0, 8)
+    wrapped = getattr(core, wrapper)(model)
+    wrapped(x)  # a cell ran forward only, then the wrapping cell ran again
+    wrapped = getattr(core, wrapper)(model)
+    calls, real = [], dist.all_reduce
+    dist.all_reduce = lambda t, *a, **k: calls.append(1) or real(t, *a, **k)
+    try:
+        nn.functional.mse_loss(wrapped(x), y).backward()
+    finally:
+        dist.all_reduce = real
+    return len(calls)
+
+
+@pytest.mark.parametrize("wrapper, calls", [("BucketedDDP", 1), ("OverlapDDP", 6)])
+def test_wrapping_the_same_model_again_synchronizes_once(cluster2, wrapper, calls):
+    assert cluster2.run(_wrap_twice, wrapper) == [calls, calls]
