@@ -1,7 +1,8 @@
 """Buckets, bytes and overlap: what the choke point and the recorder can prove.
 
-- buckets are filled in reverse parameter order, closed before they would
-  pass the cap, and launched strictly in index order;
+- buckets are filled in reverse parameter order, each closed once it reaches
+  the cap (torch's rule; tests/test_sync_layout.py checks it against torch),
+  and launched strictly in index order;
 - the payload sent per step is the size of the trainable parameters, not of
   the batch, and every byte passes through torch.distributed.all_reduce as
   looked up at call time;
@@ -42,25 +43,25 @@ def mlp_params():
 @pytest.mark.parametrize("cap_bytes, expected", [
     (25 * MB, [[5, 4, 3, 2, 1, 0]]),  # everything in one bucket
     (math.inf, [[5, 4, 3, 2, 1, 0]]),  # no cap at all
-    (3000, [[5, 4, 3, 2, 1], [0]]),  # 2,712 B fit; fc1.weight would make 3,480
+    (2600, [[5, 4, 3, 2, 1], [0]]),  # 2,584 B, then fc1.bias makes 2,712: closed
     (1, [[5], [4], [3], [2], [1], [0]]),  # each parameter alone
 ])
 def test_buckets_fill_in_reverse_parameter_order(cap_bytes, expected):
     assert assign_buckets(mlp_params(), cap_bytes / MB) == expected
 
 
-def test_a_bucket_closes_before_it_would_pass_the_cap_not_after():
-    # 24 + 384 = 408 B fills a 408-byte cap exactly; fc2.bias would pass it.
-    # (torch would add fc2.bias and close only once over the cap.)
-    assert assign_buckets(mlp_params(), 408 / MB)[0] == [5, 4]
+def test_a_bucket_closes_once_it_reaches_the_cap_not_before():
+    # 24 + 384 = 408 B goes over a 400-byte cap: fc3.weight is added, THEN the bucket
+    # closes, as torch does (a bucket never stays under the cap for want of a tensor).
+    assert assign_buckets(mlp_params(), 400 / MB)[0] == [5, 4]
 
 
-def test_a_parameter_larger_than_the_cap_gets_a_bucket_of_its_own():
+def test_a_parameter_larger_than_the_cap_closes_the_bucket_it_joins():
     # fc2.weight (2,048 B) and fc1.weight (768 B) are both over a 600-byte cap.
-    assert assign_buckets(mlp_params(), 600 / MB) == [[5, 4, 3], [2], [1], [0]]
+    assert assign_buckets(mlp_params(), 600 / MB) == [[5, 4, 3, 2], [1, 0]]
 
 
-def test_a_change_of_dtype_closes_the_bucket():
+def test_each_dtype_has_its_own_open_bucket():
     params = [torch.zeros(4, dtype=torch.float32), torch.zeros(4, dtype=torch.float64),
               torch.zeros(4, dtype=torch.float64)]
     assert assign_buckets(params, 25) == [[2, 1], [0]]
@@ -80,13 +81,14 @@ class DeclaredBackwards(nn.Module):
         return self.late(torch.tanh(self.early(x)))
 
 
-def _one_step_layout(cap_mb, model_kind):
+def _one_step_layout(cap_mb, model_kind, **options):
     torch.manual_seed(0)
     model = DeclaredBackwards().double() if model_kind == "declared_backwards" else \
         H.make_model(model_kind, 0)
     rec = ListRecorder()
-    ddp = BucketedDDP(model, bucket_cap_mb=cap_mb, recorder=rec)
+    ddp = BucketedDDP(model, bucket_cap_mb=cap_mb, recorder=rec, **options)
     x, y = H.union_batch(0, 8)
+    nn.functional.mse_loss(ddp(x), y).backward()  # iteration 0: one bucket, as in torch
     rec.clear()
     with comm.counting() as c:
         nn.functional.mse_loss(ddp(x), y).backward()
@@ -97,7 +99,7 @@ def _one_step_layout(cap_mb, model_kind):
             "names": [n for n, _ in model.named_parameters()]}
 
 
-@pytest.mark.parametrize("cap_bytes, n_buckets", [(25 * MB, 1), (3000, 2), (1, 6)])
+@pytest.mark.parametrize("cap_bytes, n_buckets", [(25 * MB, 1), (2600, 2), (1, 6)])
 def test_bucket_count_order_and_bytes_on_the_wire(cluster2, cap_bytes, n_buckets):
     for r in cluster2.run(_one_step_layout, cap_bytes / MB, "mlp"):
         layout = r["layout"]
@@ -109,7 +111,10 @@ def test_bucket_count_order_and_bytes_on_the_wire(cluster2, cap_bytes, n_buckets
 
 
 def test_buckets_launch_in_index_order_even_when_later_ones_are_ready_first(cluster2):
-    for r in cluster2.run(_one_step_layout, 1 / MB, "declared_backwards"):
+    # find_unused_parameters keeps the construction layout (parameters() order,
+    # reversed) for good, as torch does: the rebuild would follow the ready order.
+    for r in cluster2.run(_one_step_layout, 1 / MB, "declared_backwards",
+                          find_unused_parameters=True):
         assert [b["params"] for b in r["layout"]] == [
             ["early.bias"], ["early.weight"], ["late.bias"], ["late.weight"]]
         # late.* (buckets 2, 3) were ready first and had to wait for 0 and 1
@@ -121,6 +126,8 @@ def _bytes_per_step(strategy, rows):
     model = H.make_model("frozen_tied", 0)
     wrapped, after_backward = H.wrap(strategy, model)
     x, y = H.union_batch(0, rows)
+    nn.functional.mse_loss(wrapped(x), y).backward()  # iteration 0 (bucketed: one bucket)
+    after_backward()
     with comm.counting() as c:
         nn.functional.mse_loss(wrapped(x), y).backward()
         after_backward()
@@ -190,9 +197,10 @@ def _when_do_all_reduces_start(strategy):
         backward_end = comm.now()
         average_gradients(model, recorder=rec)
     else:
-        # 2,600 B: fc3 and fc2 (2,584 B) in bucket 0, fc1 in bucket 1
+        # 2,584 B: fc3 and fc2 (2,584 B) reach it in bucket 0, fc1 in bucket 1
         wrapped = (OverlapDDP(model, recorder=rec) if strategy == "overlap"
-                   else BucketedDDP(model, bucket_cap_mb=2600 / MB, recorder=rec))
+                   else BucketedDDP(model, bucket_cap_mb=2584 / MB, recorder=rec))
+        nn.functional.mse_loss(wrapped(x), y).backward()  # iteration 0, then the rebuild
         rec.clear()
         nn.functional.mse_loss(wrapped(x), y).backward()
         backward_end = rec.first("wait_start")  # the queued end-of-backward callback

@@ -302,23 +302,25 @@ def _layouts():
             ddp(x).sum().backward()
         torch_layout[cap] = ddp._get_ddp_logging_data()["rebuilt_per_bucket_param_indices"]
     ours_layout, bytes_per_bucket = {}, {}
-    for first in (TORCH_DEFAULT_FIRST_BUCKET_MB, None):
+    for cap, first in ((None, None), (25.0, TORCH_DEFAULT_FIRST_BUCKET_MB), (25.0, None)):
         model = chain()
-        ddp = BucketedDDP(model, bucket_cap_mb=25.0, first_bucket_cap_mb=first)
+        ddp = BucketedDDP(model, bucket_cap_mb=cap, first_bucket_cap_mb=first)
         index = {n: i for i, (n, _) in enumerate(model.named_parameters())}
-        ours_layout[first] = ", ".join(" ".join(str(index[n]) for n in b["params"])
-                                       for b in ddp.bucket_layout)
+        ddp(x + rank).sum().backward()  # iteration 0: one bucket, then the rebuild (as torch)
         with comm.counting() as c:
             ddp(x + rank).sum().backward()
-        bytes_per_bucket[first] = c.bucket_bytes
+        ours_layout[cap, first] = ", ".join(" ".join(str(index[n]) for n in b["params"])
+                                            for b in ddp.bucket_layout)
+        bytes_per_bucket[cap, first] = c.bucket_bytes
     return torch_layout, ours_layout, bytes_per_bucket
 
 
 def test_first_bucket_cap_gives_torch_default_layout(cluster2):
     for torch_layout, ours_layout, bytes_per_bucket in cluster2.run(_layouts):
-        assert torch_layout[None] == ours_layout[TORCH_DEFAULT_FIRST_BUCKET_MB] == "5 4, 3 2 1 0"
-        assert torch_layout[25] == ours_layout[None] == "5 4 3 2 1 0"
-        assert bytes_per_bucket[TORCH_DEFAULT_FIRST_BUCKET_MB] == {0: MB, 1: 2 * MB}
+        default, first_1 = ours_layout[None, None], ours_layout[25.0, TORCH_DEFAULT_FIRST_BUCKET_MB]
+        assert torch_layout[None] == default == first_1 == "5 4, 3 2 1 0"
+        assert torch_layout[25] == ours_layout[25.0, None] == "5 4 3 2 1 0"
+        assert bytes_per_bucket[None, None] == {0: MB, 1: 2 * MB}
 
 
 def test_small_first_bucket_trains_like_torch_default(cluster2):
@@ -369,11 +371,12 @@ def _hook_calls(steps=3):
 def test_comm_hook_is_called_once_per_bucket_in_index_order_like_torch(cluster2):
     for per_step in cluster2.run(_hook_calls):
         for step, (ours, theirs, grad_diff, launched) in enumerate(per_step):
-            assert [c["index"] for c in ours] == list(range(6))
-            assert launched == list(range(6))  # the hook's all-reduces reached the recorder
-            assert [c["is_last"] for c in ours] == [False] * 5 + [True]
+            n = 1 if step == 0 else 6  # iteration 0 is one bucket, then both rebuild
+            assert [c["index"] for c in ours] == list(range(n))
+            assert launched == list(range(n))  # the hook's all-reduces reached the recorder
+            assert [c["is_last"] for c in ours] == [False] * (n - 1) + [True]
             assert all(c["shapes_match"] and c["sums_match"] for c in ours)
-            if step > 0:  # torch's iteration 0 is one bucket, then it rebuilds
+            if step > 0:
                 assert [(c["index"], c["is_last"], c["numel"]) for c in theirs] == \
                        [(c["index"], c["is_last"], c["numel"]) for c in ours]
             assert grad_diff < TOL  # allreduce_hook = what happens without a hook
@@ -415,8 +418,9 @@ def test_compression_hooks_halve_the_bytes_and_match_torch_hooks(cluster2, dtype
     for r, plain in zip(compressed, uncompressed):
         # half of float32's bytes, per bucket, counted at the choke point
         assert r["grad_bytes"] == [r["trainable_bytes"] // 2] * 4
+        # (from step 1: iteration 0 is one bucket, as in torch, then the rebuild)
         assert all(b == {x["index"]: x["nbytes"] // 2 for x in r["layout"]}
-                   for b in r["bucket_bytes"])
+                   for b in r["bucket_bytes"][1:])
         # compression is real (not float32) and within 16-bit precision of it
         assert 0 < max(plain["param_diff"]) < tol_vs_fp32
 
@@ -425,8 +429,8 @@ def test_compression_hooks_halve_the_bytes_and_match_torch_hooks(cluster2, dtype
 def test_bad_first_bucket_cap_and_torchs_none_are_explained():
     with pytest.raises(ValueError, match="first_bucket_cap_mb must be a positive number"):
         BucketedDDP(H.MLP(), first_bucket_cap_mb=0)
-    with pytest.raises(ValueError, match=r"bucket_cap_mb=None.*first_bucket_cap_mb=1\.0"):
-        BucketedDDP(H.MLP(), bucket_cap_mb=None)
+    with pytest.raises(ValueError, match=r"bucket_cap_mb must be a positive.*None for torch's"):
+        BucketedDDP(H.MLP(), bucket_cap_mb=0)
 
 
 def _hook_misuse():

@@ -69,7 +69,8 @@ EXPLAIN = {
     NEVER_WAITED: "an async all-reduce was launched and never waited for, so the optimizer may "
                   "read the gradient before the result arrived. Call work.wait() at the end.",
     BAD_LAYOUT: "put parameters in buckets in REVERSE model.parameters() order (trainable ones), "
-                "closing a bucket when the next parameter would take it over bucket_cap_mb; "
+                "adding each to the open bucket of its dtype and closing that bucket once its "
+                "size reaches bucket_cap_mb (torch's rule); "
                 "ddplab.sync.assign_buckets(params, bucket_cap_mb) gives that layout.",
     WRONG: "",
 }

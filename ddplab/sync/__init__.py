@@ -3,8 +3,8 @@
 - ``average_gradients(model, group=None, flat=False)``: by hand, after backward.
 - ``OverlapDDP(module)``: one async all-reduce per parameter, launched from
   its post-accumulate-grad hook while backward goes on.
-- ``BucketedDDP(module, bucket_cap_mb=25.0)``: torch DDP's design: buckets in
-  reverse parameter order, launched in index order as soon as they are ready;
+- ``BucketedDDP(module, bucket_cap_mb=None)``: torch DDP's design and torch's
+  bucket layouts (``layout``), launched in index order as soon as they are ready;
   with torch's options ``find_unused_parameters``, ``gradient_as_bucket_view``,
   ``static_graph``, a small first bucket (``first_bucket_cap_mb``) and
   ``register_comm_hook`` (hooks, fp16/bf16 compression: ``comm_hooks``);
@@ -15,6 +15,9 @@ Where they part from torch's DDP they raise at the first step, naming the
 parameter and what to do, rather than train wrong in silence
 (tests/test_sync_torch_parity.py, tests/test_sync_differential.py).
 
+The reference versions of all three, in plain torch.distributed calls, one
+file each, are ``ddplab.sync.core``: read those first.
+
 Every collective goes through ``ddplab.sync.comm`` (bytes counted, optional
 recorder, the place a simulated link attaches). These modules know nothing
 about notebooks or clusters: they take a module and an optional process group.
@@ -24,7 +27,7 @@ about notebooks or clusters: they take a module and an optional process group.
 _NAMES = {
     "average_gradients": "manual", "broadcast_parameters": "manual", "OverlapDDP": "overlap",
     "BucketedDDP": "bucketed", "counting": "comm", "ListRecorder": "comm",
-    "assign_buckets": "bucket", "MB": "bucket",
+    "assign_buckets": "layout", "MB": "layout",
 }
 
 __all__ = ["average_gradients", "broadcast_parameters", "OverlapDDP", "BucketedDDP", "comm",

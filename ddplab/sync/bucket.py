@@ -1,148 +1,57 @@
-"""Buckets: which gradients travel together, and one bucket's life in a step.
+"""One bucket's life in a step: mark ready, fill, all-reduce, write back.
 
-Teaches the two halves of bucketing.
+Teaches what the full ``BucketedDDP`` does with a bucket, and why it does
+it in another order than the reference (``ddplab.sync.core.bucketed``)
+and torch's reducer. Which parameters share a bucket is ``layout.py``.
 
-1. Assignment (``assign_buckets``), done once when the wrapper is built.
-   Parameters are taken in REVERSE ``module.parameters()`` order, because
-   backward produces the last layers' gradients first: the first bucket
-   fills first and can leave first. A bucket closes when adding the next
-   parameter would take it over ``bucket_cap_mb`` (MB = 2**20 bytes); a
-   parameter larger than the cap gets a bucket of its own. A change of dtype
-   or device also closes a bucket, since one flat buffer has one of each.
+As each gradient becomes final its hook MARKS its slot ready
+(``mark_ready``); nothing is copied yet. When the last slot is marked the
+bucket is ready and ``fill`` copies every gradient into its slice of the
+flat buffer, divided by the world size (not when a comm hook reduces: the
+hook divides, as in torch). BucketedDDP then launches one async all-reduce
+over the buffer (or calls the comm hook), and after the wait
+``write_back`` copies each slice back into ``param.grad``. The reference
+and torch's reducer (``mark_variable_ready_dense``) copy each gradient as
+it arrives instead; the result is the same.
 
-   ``first_bucket_cap_mb`` gives bucket 0 a cap of its own. A small first
-   bucket lets the first all-reduce leave as soon as the first ~1 MiB of
-   gradients is ready, instead of waiting for 25 MiB of them. This is what
-   torch's ``bucket_cap_mb=None`` (its default) means on torch 2.13:
-   ``_BucketCapacityConfig.create`` in torch/nn/parallel/distributed.py
-   takes 25 MiB for the cap and ``dist._DEFAULT_FIRST_BUCKET_BYTES``
-   (1 MiB) for the first bucket, and the reducer rebuilds its buckets
-   with the limits [first, cap]. Passing ``bucket_cap_mb=25`` explicitly
-   makes the first cap equal to the cap: no small first bucket. So
-   ``BucketedDDP(m, first_bucket_cap_mb=1.0)`` is laid out like torch's
-   ``DistributedDataParallel(m)``, and ``BucketedDDP(m)`` like
-   ``DistributedDataParallel(m, bucket_cap_mb=25)``
-   (tests/test_sync_options.py checks both against torch's logging data).
+Why the copies wait for the whole bucket. A call from Python into torch
+costs a microsecond or more of host time however small the tensor, and one
+call per gradient in and one out were most of what this class cost over
+torch's C++ reducer. So ``fill`` takes one of three named ways, picked per
+step from what the gradients are:
 
-   torch's reducer differs in ways worth knowing: it closes a bucket only
-   AFTER it has gone over the cap (so its buckets are usually a little
-   larger than the cap); iteration 0 uses one bucket holding everything and
-   the buckets are rebuilt in the order gradients became ready before
-   iteration 1; and with ``find_unused_parameters=True`` it never rebuilds,
-   keeping a layout made in ``parameters()`` order and then reversed, so
-   its small bucket is the LAST one (the first layers). Here the layout
-   never changes and the small bucket is always bucket 0.
-
-2. A step (``Bucket``): as each gradient becomes final its hook marks its
-   slot ready. When the last one arrives the bucket is ready: every
-   gradient is copied into its slice of the bucket's flat buffer, divided by
-   the world size (not when a comm hook reduces: the hook divides, as in
-   torch), BucketedDDP launches one async all-reduce over the whole buffer
-   (or calls the comm hook), and after waiting copies each slice back into
-   ``param.grad``.
-
-   What it costs, and why the copies wait for the whole bucket. A call from
-   Python into torch costs a microsecond or more of host time however small
-   the tensor (``torch.div(g, n, out=v)``: about 5 us for a 32x32 gradient
-   on this project's loaded 2-core machine; ``v.copy_(g)`` about 1.3 us).
-   One such call per gradient in and one out were most of what this class
-   cost over torch's C++ reducer (4.3-4.5 us per tensor, issue 17). So the
-   hook only marks a slot, and small gradients (under ``FUSE_BELOW_NUMEL``
-   elements) go in with ONE ``torch._foreach_copy_`` per bucket plus one
-   division of the buffer, and back with one more (about 0.9 us per tensor
-   in all, the loop in C++). Large ones still take a call each, dividing on
-   the way: their bytes are the cost, and copy-then-divide would pass over
-   them twice (a 25 MiB bucket: 5.8 ms instead of 4.0 ms here). The wait
-   costs nothing: a bucket cannot leave before its last gradient anyway.
-   torch's reducer copies each gradient as it arrives, in C++.
-
-   With ``gradient_as_bucket_view=True`` ``param.grad`` IS the slice: the
-   copy in and the copy back disappear, and so does one gradient-sized
-   allocation. autograd accumulates into an existing ``.grad`` in place, so
-   from the second backward on the gradient lands in the bucket directly
-   and what is left is one division of the buffer per bucket.
-   After ``zero_grad(set_to_none=True)`` the next backward makes a fresh
-   ``.grad``; it is copied in once and ``.grad`` is pointed back at the
-   slice, as torch's reducer does.
+- ``_fill_fused``: every gradient is a dense tensor: small ones (under
+  ``FUSE_BELOW_NUMEL`` elements) in ONE ``torch._foreach_copy_`` plus one
+  division, large ones one ``torch.div(..., out=slice)`` each (their bytes
+  are the cost, and copy-then-divide would pass over them twice);
+- ``_fill_views`` (``gradient_as_bucket_view=True``): ``param.grad`` IS its
+  slice, autograd accumulated into it in place, nothing to copy; a fresh
+  ``.grad`` (after ``zero_grad(set_to_none=True)``) is copied in once and
+  pointed back at the slice, as torch's reducer does;
+- ``_fill_one_by_one``: some ``.grad`` is None (unused on this rank: it
+  contributes zeros, as in torch) or sparse where a dense one was expected
+  (an error naming it).
 
 Sparse gradients get a bucket of one, without a flat buffer (``sparse.py``).
+Figures: docs/benchmarks.md (benchmarks/per_tensor.py).
 
-Leaves out, compared with torch: bucket rebuilding,
-per-bucket caps (``bucket_cap_mb_list``) and per-device bucket lists.
+Leaves out, compared with torch: per-device bucket lists, copying in C++.
 
 References: torch/csrc/distributed/c10d/reducer.cpp
-(``compute_bucket_assignment_by_size``, ``mark_variable_ready_dense``,
-``finalize_bucket_dense``, ``rebuild_buckets``); torch/nn/parallel/
-distributed.py (``_BucketCapacityConfig``); picotron/data_parallel/bucket.py.
+(``mark_variable_ready_dense``, ``finalize_bucket_dense``,
+``initialize_bucket_views``); picotron/data_parallel/bucket.py.
 """
 from __future__ import annotations
-
-import math
-import numbers
 
 import torch
 
 from ddplab.sync import comm
+from ddplab.sync.layout import MB, TORCH_DEFAULT_FIRST_BUCKET_MB, assign_buckets, check_bucket_cap  # noqa: F401
 from ddplab.sync.sparse import not_sparse_error
 
-MB = 2 ** 20  # bucket_cap_mb is in MiB, as in torch
-# torch's first bucket when bucket_cap_mb is left at None
-# (torch.distributed._DEFAULT_FIRST_BUCKET_BYTES on 2.13; a test pins it).
-TORCH_DEFAULT_FIRST_BUCKET_MB = 1.0
 # Smaller gradients are copied by one fused call per bucket, larger ones one
-# call each, divided on the way (module docstring, "What it costs").
+# call each, divided on the way (module docstring).
 FUSE_BELOW_NUMEL = 2 ** 16
-
-
-def check_bucket_cap(bucket_cap_mb, name: str = "bucket_cap_mb") -> float:
-    """A cap in MB as a float, or a ValueError that says what to pass."""
-    ok = (isinstance(bucket_cap_mb, numbers.Real) and not isinstance(bucket_cap_mb, bool)
-          and not math.isnan(bucket_cap_mb) and bucket_cap_mb > 0)
-    if not ok:
-        hint = ""
-        if bucket_cap_mb is None and name == "bucket_cap_mb":
-            hint = (" (torch's bucket_cap_mb=None means 25 MB with a 1 MB first bucket: here "
-                    "that is bucket_cap_mb=25.0, first_bucket_cap_mb=1.0)")
-        raise ValueError(
-            f"{name} must be a positive number of megabytes (MB = 2**20 bytes), got "
-            f"{bucket_cap_mb!r}{hint}. Pass e.g. 25.0 (torch's default), a small value such as "
-            "0.001 for many small buckets, or float('inf') for one bucket holding every gradient.")
-    return float(bucket_cap_mb)
-
-
-def assign_buckets(params, bucket_cap_mb: float, first_bucket_cap_mb: float | None = None, *,
-                   sparse=frozenset()) -> list:
-    """Group parameter indices into buckets; see the module docstring.
-
-    ``params`` is the list of parameters in ``module.parameters()`` order;
-    returns a list of buckets, each a list of indices into ``params``.
-    Bucket 0 is capped by ``first_bucket_cap_mb`` (default: the same cap).
-    Indices in ``sparse`` (sparse gradients, see ``sparse.py``) get a
-    bucket of their own, as in torch.
-    """
-    cap = check_bucket_cap(bucket_cap_mb) * MB
-    limit = cap if first_bucket_cap_mb is None else \
-        check_bucket_cap(first_bucket_cap_mb, "first_bucket_cap_mb") * MB
-    buckets, current, size, kind = [], [], 0, None
-    for i in reversed(range(len(params))):
-        p = params[i]
-        nbytes = p.numel() * p.element_size()
-        if i in sparse:
-            if current:
-                buckets.append(current)
-                current, size, limit = [], 0, cap
-            buckets.append([i])
-            kind = None
-            continue
-        if current and (size + nbytes > limit or (p.dtype, p.device) != kind):
-            buckets.append(current)
-            current, size, limit = [], 0, cap
-        current.append(i)
-        size += nbytes
-        kind = (p.dtype, p.device)
-    if current:
-        buckets.append(current)
-    return buckets
 
 
 class Bucket:
@@ -191,64 +100,52 @@ class Bucket:
     def ready(self) -> bool:
         return self.n_ready == self.size
 
-    def add_grad(self, slot: int, grad=None) -> None:
-        """Mark ``slot``'s gradient (``params[slot].grad``) final; ``fill``
-        copies it when the whole bucket is ready."""
+    def mark_ready(self, slot: int) -> None:
+        """Mark ``params[slot].grad`` final for this step; ``fill`` copies it later."""
         if not self.ready_slots[slot]:
             self.ready_slots[slot] = True
             self.n_ready += 1
 
     def fill(self) -> None:
-        """Copy every gradient into its slot, divided by the world size (not
-        with a comm hook). A ``.grad`` of None (no gradient on this rank this
-        step) contributes zeros, as in torch."""
+        """Copy every gradient into its slice (module docstring: three ways)."""
         grads = [p.grad for p in self.params]
         if self.as_view:
             self._fill_views(grads)
-            if self.divide:
-                self.buffer.div_(self.world_size)
-            return
-        try:
-            self._copy_in(grads)
-        except (TypeError, RuntimeError):  # a None or a sparse gradient: slot by slot
-            self._fill_slowly(range(self.size), grads)
-            if self.divide:
-                self.buffer.div_(self.world_size)
+        elif any(g is None or g.is_sparse for g in grads):
+            self._fill_one_by_one(range(self.size), grads)
+        else:
+            self._fill_fused(grads)
+            return  # divided on the way
+        if self.divide:
+            self.buffer.div_(self.world_size)
 
-    def _copy_in(self, grads) -> None:
-        # Small gradients: one fused copy for all of them, then one division
-        # (the per-call cost, not the bytes, is what they cost). Large ones:
-        # copy and divide in one pass each (the bytes are what they cost).
+    def _fill_fused(self, grads) -> None:
         ws, views = self.world_size, self.views
-        if not self._large:
+        if not self._large:  # the usual case: one copy, one division of the whole buffer
             torch._foreach_copy_(views, grads)
             if self.divide:
                 self.buffer.div_(ws)
             return
-        if self._small:
+        if self._small:  # one call for all of them: per-call cost, not bytes, is theirs
             small = [views[s] for s in self._small]
             torch._foreach_copy_(small, [grads[s] for s in self._small])
             if self.divide:
                 torch._foreach_div_(small, ws)
-        for s in self._large:
+        for s in self._large:  # one pass each: bytes are theirs
             if self.divide:
                 torch.div(grads[s], ws, out=views[s])
             else:
                 views[s].copy_(grads[s])
 
     def _fill_views(self, grads) -> None:
-        # autograd accumulated in place into the slice: nothing to copy; else
-        # (a fresh .grad after zero_grad(set_to_none=True)) copy once and
-        # point .grad back at the slice, as torch's reducer does.
         moved = [s for s, (g, v) in enumerate(zip(grads, self.views))
                  if g is not v and (g is None or g.data_ptr() != v.data_ptr())]
-        if moved:
-            self._fill_slowly(moved, grads)
-            for s in moved:
-                if grads[s] is not None:
-                    self.params[s].grad = self.views[s]
+        self._fill_one_by_one(moved, grads)
+        for s in moved:
+            if grads[s] is not None:
+                self.params[s].grad = self.views[s]
 
-    def _fill_slowly(self, slots, grads) -> None:
+    def _fill_one_by_one(self, slots, grads) -> None:
         for s in slots:
             grad, view = grads[s], self.views[s]
             if grad is None:
@@ -285,7 +182,7 @@ class Bucket:
                 self.buffer.copy_(reduced)
             for slot, (p, view) in enumerate(zip(self.params, self.views)):
                 if slot not in skip and p.grad is None:
-                    p.grad = view  # unused here, used on another rank (add_grad did the rest)
+                    p.grad = view  # unused here, used on another rank (fill gave it zeros)
             return
         if same and not skip:
             try:  # ONE call copies the whole bucket back into the .grad tensors

@@ -1,9 +1,13 @@
 """BucketedDDP: gradients grouped in buckets, each all-reduced as soon as it can be.
 
 Teaches how torch's DistributedDataParallel really synchronizes: the
-parameters are split into buckets of at most ``bucket_cap_mb`` (see
-``bucket.py`` for the rule), each bucket owns one flat buffer, and a hook on
-every parameter copies its gradient in. A bucket whose gradients are all in
+parameters are split into buckets of about ``bucket_cap_mb`` (torch's rule
+and torch's layouts, first iteration and rebuild: ``layout.py``), each
+bucket owns one flat buffer, and a hook on every parameter marks its
+gradient ready (``bucket.py``). The plain version, to read first, is
+``ddplab.sync.core.bucketed``; this one adds torch's options, each one
+named layer: ``layout`` (caps, rebuild), ``unused_policy`` (unused
+parameters), ``sparse``, ``comm_hooks``. A bucket whose gradients are all in
 is launched as ONE async all-reduce, while backward goes on computing the
 earlier layers. That gives fewer, larger messages than OverlapDDP, and the
 overlap with backward that ``average_gradients`` lacks.
@@ -18,7 +22,11 @@ the wrong buffers. torch's reducer keeps the same rule.
     loss_fn(model(x), y).backward()   # buckets leave during backward;
     optimizer.step()                  # the wait ran at the end of backward
 
-``model.bucket_layout`` lists each bucket's parameter names and bytes.
+``model.bucket_layout`` lists each bucket's parameter names and bytes. As in
+torch, the first synchronizing backward uses ONE bucket per dtype (unless
+``find_unused_parameters`` or ``bucket_cap_mb_list``), and the buckets are
+rebuilt at the next forward in the order gradients became ready (rank 0's
+order); with ``find_unused_parameters`` the first layout stays.
 
 Host cost per gradient tensor. torch's reducer is C++; here every gradient
 costs one Python hook, so what each hook does is what this class costs.
@@ -34,8 +42,9 @@ docs/benchmarks.md. The options' checks run on the long path, unchanged.
 torch's options, same names, same meaning (each tested against torch DDP
 with the same option in tests/test_sync_options.py):
 
-- ``first_bucket_cap_mb``: a smaller cap for bucket 0, which is what torch's
-  ``bucket_cap_mb=None`` means (see ``bucket.py``);
+- ``bucket_cap_mb=None`` (the default, as in torch): 25 MB with a 1 MB first
+  bucket; ``bucket_cap_mb_list`` (torch 2.13): a limit per bucket;
+  ``first_bucket_cap_mb`` (ddplab's): a small first bucket for any cap;
 - ``find_unused_parameters``: parameters that get no gradient in a step
   (a branch skipped on some iterations or some ranks) are found by walking
   the autograd graph at forward and marked ready at backward's first hook;
@@ -59,8 +68,7 @@ with the same option in tests/test_sync_options.py):
 Sparse gradients (``nn.Embedding(sparse=True)``) get a bucket of their own
 and are all-reduced as sparse tensors (``sparse.py``).
 
-Leaves out, compared with torch DDP: see ``bucket.py`` (layout rebuilding),
-``sparse.py`` (comm hooks on sparse gradients) and ``_common.py`` (device
+Leaves out, compared with torch DDP: see ``layout.py``, ``sparse.py`` (comm hooks on sparse gradients) and ``_common.py`` (device
 placement, Join, mixed precision). A gradient hook that fires twice in one
 backward without ``static_graph`` is an error, as in torch.
 
@@ -73,15 +81,17 @@ from __future__ import annotations
 
 import torch
 
+from ddplab.sync import comm
 from ddplab.sync._common import GradSyncModule
-from ddplab.sync.bucket import Bucket, assign_buckets, check_bucket_cap
+from ddplab.sync.bucket import Bucket
 from ddplab.sync.comm_hooks import check_hook, run_hook
+from ddplab.sync.layout import Caps, initial_layout, rebuilds, rebuilt_layout
 from ddplab.sync.sparse import SparseBucket, sparse_parameter_ids
-from ddplab.sync.unused_policy import EveryParameterUsed, unused_policy
+from ddplab.sync.unused_policy import unused_policy
 
 
 class BucketedDDP(GradSyncModule):
-    """Wrap ``module``; gradients travel in buckets of at most ``bucket_cap_mb`` MB.
+    """Wrap ``module``; gradients travel in buckets of about ``bucket_cap_mb`` MB.
 
     ``.module``, ``.no_sync()``, ``.finish_gradient_synchronization()``,
     ``.register_comm_hook(state, hook)``, ``.buckets`` (``Bucket`` objects)
@@ -91,16 +101,15 @@ class BucketedDDP(GradSyncModule):
     docstring.
     """
 
-    def __init__(self, module, bucket_cap_mb: float = 25.0, process_group=None,
+    def __init__(self, module, bucket_cap_mb: float | None = None, process_group=None,
                  broadcast_buffers: bool = True, recorder=None, *,
+                 bucket_cap_mb_list=None,
                  first_bucket_cap_mb: float | None = None,
                  find_unused_parameters: bool = False,
                  gradient_as_bucket_view: bool = False,
                  static_graph: bool = False):
         # Checked before anything talks to other ranks, so a typo fails at once.
-        bucket_cap_mb = check_bucket_cap(bucket_cap_mb)
-        if first_bucket_cap_mb is not None:
-            first_bucket_cap_mb = check_bucket_cap(first_bucket_cap_mb, "first_bucket_cap_mb")
+        self._caps = Caps.create(bucket_cap_mb, bucket_cap_mb_list, first_bucket_cap_mb)
         self.find_unused_parameters = bool(find_unused_parameters)
         self.static_graph = bool(static_graph)
         super().__init__(module, process_group, broadcast_buffers, recorder,
@@ -109,29 +118,41 @@ class BucketedDDP(GradSyncModule):
         self.first_bucket_cap_mb = first_bucket_cap_mb
         self.gradient_as_bucket_view = bool(gradient_as_bucket_view)
         sparse_ids = sparse_parameter_ids(module)
-        sparse = {i for i, p in enumerate(self._params) if id(p) in sparse_ids}
+        self._sparse = {i for i, p in enumerate(self._params) if id(p) in sparse_ids}
+        self._comm_hook = None  # (state, hook) once registered
+        self._build_buckets(initial_layout(self._params, self._caps, self.find_unused_parameters,
+                                           self.static_graph, self._sparse))
+        # none / find_unused_parameters / static_graph: see unused_policy.py
+        self._policy = unused_policy(self.find_unused_parameters, self.static_graph,
+                                     self._params, self.grad_marks, process_group, recorder)
+        self._unused_marked = False  # this backward's unused parameters are marked ready
+        # Which hook path: a hook that only marks its slot when no policy needs more.
+        # (A flag, not a bound method kept on self: that would be a reference cycle, and a
+        # wrapper replaced in a notebook would live on, its hooks still firing.)
+        self._short_path = self._policy.only_marks and not self._sparse
+        # The rebuild (layout.py): the first synchronizing backward records the
+        # order gradients arrive in; the next grad-enabled forward re-lays the buckets.
+        self._ready_order = [] if rebuilds(self.find_unused_parameters, self.static_graph) \
+            else None
+        self._seen = set()
+        self._rebuild_due = False
+
+    def _build_buckets(self, layout) -> None:
         self.buckets = []
         self._where = {}  # parameter index -> (bucket, slot in the bucket)
-        layout = assign_buckets(self._params, bucket_cap_mb, first_bucket_cap_mb, sparse=sparse)
         for b, indices in enumerate(layout):
-            if indices[0] in sparse:
+            if indices[0] in self._sparse:
                 i = indices[0]
                 bucket = SparseBucket(b, self._params[i], self._names[i], self.world_size)
             else:
                 bucket = Bucket(b, [self._params[i] for i in indices],
                                 [self._names[i] for i in indices], self.world_size,
                                 as_view=self.gradient_as_bucket_view)
+            bucket.divide = self._comm_hook is None  # a comm hook divides by itself
             self.buckets.append(bucket)
             for slot, i in enumerate(indices):
                 self._where[i] = (bucket, slot)
         self._next_bucket = 0  # the lowest bucket index not launched yet
-        self._comm_hook = None  # (state, hook) once registered
-        # none / find_unused_parameters / static_graph: see unused_policy.py
-        self._policy = unused_policy(self.find_unused_parameters, self.static_graph,
-                                     self._params, self.grad_marks, process_group, recorder)
-        self._unused_marked = False  # this backward's unused parameters are marked ready
-        # neither option and no sparse bucket: the hook takes its short path
-        self._plain = type(self._policy) is EveryParameterUsed and not sparse
 
     @property
     def bucket_layout(self) -> list:
@@ -150,7 +171,7 @@ class BucketedDDP(GradSyncModule):
         if self._hooks_fired:
             raise RuntimeError("register_comm_hook: a backward is under way; register the "
                                "hook between steps.")
-        sparse = [b.names[0] for b in self.buckets if isinstance(b, SparseBucket)]
+        sparse = [self._names[i] for i in sorted(self._sparse)]
         if sparse:
             raise RuntimeError(f"register_comm_hook: parameter(s) {', '.join(sparse)} have sparse "
                                "gradients, and ddplab's comm hooks take dense buckets only. Use "
@@ -159,46 +180,69 @@ class BucketedDDP(GradSyncModule):
         for bucket in self.buckets:
             bucket.divide = False
 
-    # -- forward: what this backward will not produce ------------------------------
+    # -- forward: the rebuild, and what this backward will not produce -------------
     def forward(self, *args, **kwargs):
+        if self._rebuild_due and torch.is_grad_enabled() and not self._hooks_fired:
+            self._rebuild_buckets()
         out = super().forward(*args, **kwargs)
         if self._expect_hooks and torch.is_grad_enabled():
             self._policy.at_forward(out)
         return out
+
+    def _rebuild_buckets(self) -> None:
+        """Once: the caps over rank 0's gradient-ready order (torch's rebuild_buckets)."""
+        n = len(self._params)
+        order = torch.full((n,), -1, dtype=torch.int64, device=self._params[0].device)
+        order[:len(self._ready_order)] = torch.tensor(self._ready_order, dtype=torch.int64)
+        comm.broadcast(order, self._src, self.process_group, kind="rebuild")
+        ready = [i for i in order.tolist() if i >= 0]
+        self._build_buckets(rebuilt_layout(self._params, self._caps, ready, self._sparse))
+        self._ready_order, self._rebuild_due = None, False
 
     # -- backward --------------------------------------------------------------------
     def _bucket_of(self, index) -> int:
         return self._where[index][0].index
 
     def _grad_ready(self, index, param):
+        if self._ready_order is not None and index not in self._seen:
+            self._seen.add(index)  # first synchronizing backward: the order, for the rebuild
+            self._ready_order.append(index)
+        if self._short_path:
+            self._mark_ready(index)
+        else:
+            self._mark_ready_with_policy(index)
+
+    def _mark_ready(self, index):
+        """The short path (no unused-parameter policy, no sparse bucket): count the slot,
+        launch only when its bucket is full and next in line."""
         bucket, slot = self._where[index]
-        if self._plain:  # no unused-parameter policy: the path every step takes by default
-            ready = bucket.ready_slots
-            if ready[slot]:
-                raise self._ready_twice(index)
-            ready[slot] = True
-            bucket.n_ready += 1
-            # only a full bucket that is next in line can launch anything
-            if bucket.n_ready == bucket.size and bucket.index == self._next_bucket:
-                self._launch_ready()
-            return
+        ready = bucket.ready_slots
+        if ready[slot]:
+            raise self._ready_twice(index)
+        ready[slot] = True
+        bucket.n_ready += 1
+        if bucket.n_ready == bucket.size and bucket.index == self._next_bucket:
+            self._launch_ready()
+
+    def _mark_ready_with_policy(self, index):
+        """The unused-parameter policy first (watching, early marks, repeated hooks)."""
         policy = self._policy
         if policy.watching:  # static_graph's first backward: only watch
             policy.watch(index)
             return
-        if policy.unused:
-            if not self._unused_marked:  # first hook of this backward
-                self._unused_marked = True
-                for i in sorted(policy.unused):
-                    b, s = self._where[i]
-                    b.add_grad(s, self._params[i].grad)
-            if index in policy.unused:
-                raise policy.unexpected(self._names[index])
-        if policy.fires_needed and index in policy.fires_needed and not policy.last_fire(index):
+        if policy.unused and not self._unused_marked:  # first hook of this backward
+            self._unused_marked = True
+            for i in sorted(policy.unused):
+                b, s = self._where[i]
+                b.mark_ready(s)
+        if index in policy.unused:
+            raise policy.unexpected(self._names[index])
+        if index in policy.fires_needed and not policy.last_fire(index):
             return  # static_graph: this hook fires again later in this backward
+        bucket, slot = self._where[index]
         if bucket.ready_slots[slot]:
             raise self._ready_twice(index)
-        bucket.add_grad(slot, param.grad)
+        bucket.mark_ready(slot)
         self._launch_ready()
 
     def _launch_ready(self):
@@ -206,8 +250,7 @@ class BucketedDDP(GradSyncModule):
         n = len(self.buckets)
         while self._next_bucket < n and self.buckets[self._next_bucket].ready:
             bucket = self.buckets[self._next_bucket]
-            if isinstance(bucket, Bucket):  # its copies, all at once (sparse: made at add_grad)
-                bucket.fill()
+            bucket.fill()  # its copies, all at once
             if self._comm_hook is None:
                 bucket.launch(self.process_group, self.recorder)
             else:
@@ -220,9 +263,9 @@ class BucketedDDP(GradSyncModule):
     def _learn_static_graph(self):
         """End of static_graph's first iteration: learn, then reduce everything."""
         self._policy.learn()
-        for i, p in enumerate(self._params):  # None contributes zeros
+        for i in range(len(self._params)):  # a .grad of None contributes zeros
             bucket, slot = self._where[i]
-            bucket.add_grad(slot, p.grad)
+            bucket.mark_ready(slot)
         self._launch_ready()
 
     def _wait_launched(self):
@@ -235,6 +278,8 @@ class BucketedDDP(GradSyncModule):
             skip.setdefault(bucket.index, set()).add(slot)
         for bucket, out in zip(self.buckets, reduced):
             bucket.write_back(out, skip.get(bucket.index, ()))
+        if self._ready_order is not None and not self._not_ready():
+            self._rebuild_due = True  # a whole synchronizing backward: its order counts
 
     def _missing_hint(self) -> str:
         return self._policy.missing_hint
@@ -248,3 +293,5 @@ class BucketedDDP(GradSyncModule):
         self._next_bucket = 0
         self._unused_marked = False
         self._policy.reset()
+        if self._ready_order is not None and not self._rebuild_due:
+            self._ready_order, self._seen = [], set()  # a backward that broke off: record anew

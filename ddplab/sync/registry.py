@@ -213,7 +213,7 @@ def _overlap(module, process_group=None, recorder=None, **options):
 
 
 @register_strategy("bucketed", shape="buckets")
-def _bucketed(module, bucket_cap_mb=25.0, process_group=None, recorder=None, **options):
+def _bucketed(module, bucket_cap_mb=None, process_group=None, recorder=None, **options):
     """BucketedDDP: buckets in reverse order, launched in index order during backward"""
     from ddplab.sync import BucketedDDP
 

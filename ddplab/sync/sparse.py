@@ -69,8 +69,10 @@ class SparseBucket:
     def ready(self) -> bool:
         return self.n_ready == 1
 
-    def add_grad(self, slot: int, grad) -> None:
+    def mark_ready(self, slot: int) -> None:
+        """Take this step's sparse gradient now (divided): there is no buffer to fill."""
         p = self.params[0]
+        grad = p.grad
         if grad is None:  # not used on this rank: contribute no rows
             grad = torch.sparse_coo_tensor(torch.empty((1, 0), dtype=torch.long),
                                            torch.empty((0,) + tuple(p.shape[1:]), dtype=p.dtype),
@@ -84,6 +86,9 @@ class SparseBucket:
         self.grad = grad / self.world_size if self.divide else grad.clone()
         self.ready_slots[0] = True
         self.n_ready = 1
+
+    def fill(self) -> None:
+        pass  # done by mark_ready
 
     def launch(self, group, recorder=None) -> None:
         self.work = comm.all_reduce(self.grad, group, async_op=True, bucket=self.index,

@@ -22,7 +22,8 @@ small classes behind one interface, picked once when the wrapper is built
   in that first backward (reentrant activation checkpointing reuses a
   layer) is ready at its k-th firing, as in torch.
 
-What BucketedDDP calls: ``at_forward(outputs)``; ``watching`` (hooks only
+What BucketedDDP calls: ``only_marks`` (True: a hook only marks its slot,
+nothing else to do, so BucketedDDP takes its short path); ``at_forward(outputs)``; ``watching`` (hooks only
 watch: ``watch(index)``); ``unused`` (marked ready at the first hook; a
 gradient for one is ``unexpected(name)``); ``fires_needed`` and
 ``last_fire(index)``; ``all_launched()``; ``learn()``;
@@ -48,6 +49,7 @@ _NONE = frozenset()
 class EveryParameterUsed:
     """Neither option: nothing is marked ready early, nothing is skipped."""
 
+    only_marks = True
     watching = False
     unused = _NONE
     fires_needed: dict = {}
@@ -71,6 +73,8 @@ class EveryParameterUsed:
 
 class FindUnused(EveryParameterUsed):
     """find_unused_parameters=True: walk the graph at every forward."""
+
+    only_marks = False
 
     missing_hint = (
         "find_unused_parameters=True is set, and these parameters WERE reached from the "
@@ -113,6 +117,8 @@ class FindUnused(EveryParameterUsed):
 
 class StaticGraph(EveryParameterUsed):
     """static_graph=True: learn the unused set and the hook counts once."""
+
+    only_marks = False
 
     missing_hint = ("static_graph=True: they got a gradient in the first iteration and none "
                     "now: the graph changed, which static_graph forbids (as in torch). Use "

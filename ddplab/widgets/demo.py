@@ -45,15 +45,16 @@ def synthetic_timeline(strategy="bucketed", world_size=2, n_iterations=4, n_para
                   "after_backward_flat": [list(range(layers))]}[shape]
     elif shape == "per_parameter":
         groups = [[i] for i in reversed(range(layers))]  # one per parameter, as ready
-    else:  # buckets, torch_ddp: reverse order, a bucket closes before it would pass the cap
+    else:  # buckets, torch_ddp: reverse order, a bucket closes once it reaches the cap (torch)
         cap = bucket_cap_mb * 2**20
         groups, current = [], []
         for i in reversed(range(layers)):
-            if current and (len(current) + 1) * layer_bytes > cap:
+            current.append(i)
+            if len(current) * layer_bytes >= cap:
                 groups.append(current)
                 current = []
-            current.append(i)
-        groups.append(current)
+        if current:
+            groups.append(current)
     slow_rank, factor = straggler if straggler else (None, 1.0)
     tl = Timeline(strategy, world_size, "gloo", meta={
         "simulated_link": link.describe() if link else None,
@@ -158,5 +159,5 @@ def demo_result(strategies=("manual", "overlap", "bucketed", "ddp"), **config) -
 def expected_buckets(n_params=5e6, bucket_cap_mb=25.0) -> int:
     """How many buckets ``synthetic_timeline`` gives bucketed/ddp after the rebuild."""
     layer_bytes = int(4 * n_params) // 8
-    per_bucket = max(1, math.floor(bucket_cap_mb * 2**20 / layer_bytes))
+    per_bucket = max(1, math.ceil(bucket_cap_mb * 2**20 / layer_bytes))  # closed on reaching it
     return math.ceil(8 / per_bucket)
