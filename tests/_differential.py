@@ -11,9 +11,11 @@ options: bucket cap, find_unused_parameters, static_graph,
 gradient_as_bucket_view, no_sync micro-steps, comm hooks (allreduce, fp16).
 
 ``run_cases(seeds)`` runs on every rank; for each seed it trains BucketedDDP
-with the options (and, where they accept the model and options, OverlapDDP
-and average_gradients), torch DDP with the same options, and one process,
-3 steps, and returns the disagreements: a strategy that differs from torch
+with the options (and, where they accept the model and options, OverlapDDP,
+average_gradients and the reference reducers of ``ddplab.sync.core``),
+torch DDP with the same options, and one process, 3 steps, and returns the
+disagreements: a reference reducer that differs from its full version
+after some step, a strategy that differs from torch
 or from one process, a replica that drifts from rank 0's, a strategy that
 raises where torch trains, or trains where torch refuses (ours may refuse
 earlier than torch, never later).
@@ -29,11 +31,17 @@ from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks as torch_hooks
 
 from ddplab.sync import BucketedDDP, OverlapDDP, average_gradients, broadcast_parameters, comm_hooks
+from ddplab.sync import core
 
 IN, OUT, STEPS = 5, 3, 3
 CAPS = [1e-6, 0.0003, 0.002, 25.0]  # MB: a bucket per parameter ... one bucket
 HOOKS = {None: (None, None), "allreduce": (comm_hooks.allreduce_hook, torch_hooks.allreduce_hook),
          "fp16": (comm_hooks.fp16_compress_hook, torch_hooks.fp16_compress_hook)}
+
+
+# Seeds from here on draw cases without torch's options and without an unused or sparse
+# parameter: the cases the reference reducers (ddplab.sync.core) accept.
+PLAIN_FROM = 100_000
 
 
 def make_config(seed: int) -> dict:
@@ -51,6 +59,9 @@ def make_config(seed: int) -> dict:
     c["hook"] = r.choice([None, None, "allreduce", "fp16"])
     # nn.Embedding(sparse=True): ddplab's comm hooks take dense buckets only (sparse.py)
     c["sparse"] = r.random() < 0.25 and c["hook"] is None
+    if seed >= PLAIN_FROM:
+        c.update(unused=False, data_dependent=False, find_unused_parameters=False,
+                 static_graph=False, gradient_as_bucket_view=False, hook=None, sparse=False)
     return c
 
 
@@ -122,7 +133,16 @@ def strategies_for(c) -> list:
         names.append("overlap")
         if c["micro_steps"] == 1:
             names.append("manual")
+        if not c["sparse"]:  # what the reference reducers accept
+            names += ["core_bucketed", "core_overlap"]
+            if c["micro_steps"] == 1:
+                names += ["core_manual", "core_manual_flat"]
     return names
+
+
+# each reference reducer and the full version it must train exactly like
+FULL_OF = {"core_bucketed": "bucketed", "core_overlap": "overlap", "core_manual": "manual",
+           "core_manual_flat": "manual"}
 
 
 def _wrap(name, model, c):
@@ -131,6 +151,14 @@ def _wrap(name, model, c):
         return model, lambda: average_gradients(model)
     if name == "overlap":
         return OverlapDDP(model), lambda: None
+    if name.startswith("core_manual"):
+        core.broadcast_parameters(model)
+        average = core.average_gradients_flat if name.endswith("flat") else core.average_gradients
+        return model, lambda: average(model)
+    if name == "core_overlap":
+        return core.OverlapDDP(model), lambda: None
+    if name == "core_bucketed":
+        return core.BucketedDDP(model, bucket_cap_mb=c["cap_mb"]), lambda: None
     ours = BucketedDDP(model, bucket_cap_mb=c["cap_mb"],
                        find_unused_parameters=c["find_unused_parameters"],
                        static_graph=c["static_graph"],
@@ -211,7 +239,7 @@ def _train(c, name):
             # Buffers are compared except where ddplab differs from torch on purpose
             # (DESIGN.md): manual syncs them once, and the wrappers broadcast at every
             # grad-enabled forward where torch skips the one after a no_sync forward.
-            params_only = name == "manual" or c["micro_steps"] > 1
+            params_only = "manual" in name or c["micro_steps"] > 1
             vs_ddp = float("nan") if "ddp" in errors else _diff(
                 models["ours"], models["ddp"], params_only=params_only)
             steps.append((vs_ddp, _diff(models["ours"], models["ref"], params_only=True),
@@ -231,7 +259,7 @@ def _tolerances(c):
 
 def check_case(c) -> list:
     """Disagreements for one config on this rank, each a short sentence."""
-    found = []
+    found, trained = [], {}
     vs_ddp_tol, vs_ref_tol = _tolerances(c)
     for name in strategies_for(c):
         errors, steps = _train(c, name)
@@ -256,6 +284,13 @@ def check_case(c) -> list:
             if vs_ref > vs_ref_tol:
                 found.append(f"{name} differs from one process by {vs_ref:.3g} after step {step}")
             mine[step] = params
+        trained[name] = mine
+        full = FULL_OF.get(name)
+        if full in trained:  # the reference against its full version, step by step
+            gap = (mine - trained[full]).abs().amax(dim=1)
+            for step, g in enumerate(gap.tolist()):
+                if not g <= vs_ddp_tol and step < len(steps):
+                    found.append(f"{name} differs from {full} by {g:.3g} after step {step}")
         # one collective whatever happened on this rank, so the ranks stay paired
         gathered = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
         dist.all_gather(gathered, mine)

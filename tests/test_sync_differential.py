@@ -1,5 +1,9 @@
 """A differential test: random small models x torch's options, each strategy vs torch DDP and one process.
 
+The reference reducers (``ddplab.sync.core``) run on every case they accept
+and must equal their full versions, torch DDP and one process after every
+step, at 2 and 3 ranks, ranks starting from different weights.
+
 ``make test`` runs a few dozen seeded cases at 2 and 3 ranks, batched into
 one Cluster job per world size (see _differential.py for what a case is).
 More cases behind a flag, and one case by its seed:
@@ -22,17 +26,19 @@ import ddplab
 import _differential as D
 
 N_CASES = int(os.environ.get("DDPLAB_DIFF_CASES", "24"))
+N_PLAIN = int(os.environ.get("DDPLAB_DIFF_PLAIN_CASES", "8"))  # cases the reference accepts
 ONE_SEED = os.environ.get("DDPLAB_DIFF_SEED")
 
 
 def _seeds(world_size):
     if ONE_SEED is not None:
         return [int(ONE_SEED)]
-    return [s for s in range(N_CASES) if 2 + s % 2 == world_size]  # half at 2 ranks, half at 3
+    seeds = list(range(N_CASES)) + list(range(D.PLAIN_FROM, D.PLAIN_FROM + N_PLAIN))
+    return [s for s in seeds if 2 + s % 2 == world_size]  # half at 2 ranks, half at 3
 
 
 def test_case_configs_cover_every_feature_and_option():
-    configs = [D.make_config(s) for s in range(N_CASES)]
+    configs = [D.make_config(s) for s in range(N_CASES + N_PLAIN)]
     for key in ("shared", "tied", "frozen", "unused", "data_dependent", "batchnorm", "float32",
                 "zero_size", "sparse", "find_unused_parameters", "static_graph", "gradient_as_bucket_view"):
         assert any(c[key] for c in configs), key
@@ -40,8 +46,13 @@ def test_case_configs_cover_every_feature_and_option():
     assert {c["hook"] for c in configs} == set(D.HOOKS)
     assert {c["micro_steps"] for c in configs} == {1, 2}
     assert D.make_config(7) == D.make_config(7)  # a seed is a reproducible case
+    # every reference reducer meets cases at both world sizes
+    for ws in (2, 3):
+        names = {n for s in _seeds(ws) for n in D.strategies_for(D.make_config(s))}
+        assert set(D.FULL_OF) <= names, (ws, set(D.FULL_OF) - names)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_random_models_and_options_train_like_torch_ddp_and_one_process(world_size):
     seeds = _seeds(world_size)
