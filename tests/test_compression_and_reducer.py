@@ -176,4 +176,7 @@ def test_torch_rebuilds_buckets_in_grad_ready_order(cluster):
     assert ready[0].startswith("c.") and ready[-1].startswith("a.")  # not declaration order
     flat = [n for bucket in seen["rebuilt"] for n in bucket]
     assert [n.split(".")[0] for n in flat] == [n.split(".")[0] for n in ready]
-    assert seen["initial"][0][0].startswith("a.")  # ddplab's layout: reverse declaration order
+    assert seen["initial"][0][0].startswith("a.")  # the reference's: reverse declaration order
+    # the full BucketedDDP: one bucket in iteration 0, then torch's rebuilt layout
+    assert len(seen["full"][0]) == 1
+    assert seen["full"][1:] == [seen["rebuilt"]] * (len(seen["full"]) - 1)

@@ -1,7 +1,9 @@
 """Inside torch's reducer: where each step of DistributedDataParallel lives in the INSTALLED torch.
 
 Teaches the path one training step takes through torch's DDP, and which
-ddplab piece (``ddplab/sync``) mirrors each step:
+ddplab piece mirrors each step: the reference reducer
+``ddplab.sync.core.bucketed`` (same names, plain torch.distributed calls)
+where it has the step, else the full ``ddplab.sync.BucketedDDP``:
 
 - Python, in ``torch/nn/parallel/distributed.py``: the constructor assigns
   buckets and builds a C++ ``Reducer``; ``forward`` calls ``_pre_forward``
@@ -21,10 +23,15 @@ torch release renames something, instead of teaching names that are gone.
 
 ``rebuild_on_rank()`` watches it live on a model whose parameters are
 declared in another order than they are used: gradient-ready order, the
-one-bucket first iteration, the rebuilt layout from DDP's logging data.
+one-bucket first iteration, the rebuilt layout from DDP's logging data,
+and beside it the full BucketedDDP's layout at every iteration (one
+bucket, then rebuilt the same way) and the reference's (reverse
+declaration order from the start: it leaves the rebuild out).
 
 Leaves out: the C++ bodies themselves (read them at ``cpp_url()``), the
 static-graph, unused-parameter and join paths, the logger and the CUDA side.
+(With ``find_unused_parameters=True`` torch never rebuilds: its first
+layout, made with the caps, stays; ``ddplab.sync.layout`` says more.)
 References: torch/nn/parallel/distributed.py; torch/csrc/distributed/c10d/
 reducer.hpp and reducer.cpp; torch's "DDP internal design" notes.
 """
@@ -50,38 +57,39 @@ class Step:
 
 STEPS = (
     Step("assign parameters to buckets", "DistributedDataParallel._ddp_init_helper",
-         "_compute_bucket_assignment_by_size", "ddplab.sync.bucket.assign_buckets",
-         "reverse parameter order, a bucket closes past bucket_cap_mb (torch: after it goes over)"),
+         "_compute_bucket_assignment_by_size",
+         "ddplab.sync.core.bucketed.compute_bucket_assignment_by_size",
+         "reverse parameter order; a tensor is added to its dtype's open bucket, which closes "
+         "once it reaches bucket_cap_mb (torch's rule; iteration 0 has one bucket per dtype)"),
     Step("broadcast rank 0's weights", "DistributedDataParallel.__init__", "_sync_module_states",
-         "ddplab.sync._common.GradSyncModule._sync_module_states",
-         "every rank starts from the same model"),
+         "ddplab.sync.core.bucketed.BucketedDDP._sync_module_states", "every rank starts from the same model"),
     Step("build the C++ reducer", "DistributedDataParallel._ddp_init_helper", "dist.Reducer", "",
          "ddplab keeps its state in the Python wrapper; torch in a C++ object"),
     Step("forward: before the module", "DistributedDataParallel.forward", "_pre_forward",
-         "ddplab.sync._common.GradSyncModule.forward",
+         "ddplab.sync.core.bucketed.BucketedDDP.forward",
          "buffers are broadcast, the backward to come is armed (or not, inside no_sync)"),
     Step("prepare_for_forward", "DistributedDataParallel._pre_forward", "prepare_for_forward",
-         "ddplab.sync._common.GradSyncModule.forward", "counts iterations, resets per-step state"),
+         "ddplab.sync.core.bucketed.BucketedDDP.forward", "counts iterations, resets per-step state"),
     Step("rebuild buckets in grad-ready order", "DistributedDataParallel._pre_forward",
-         "_rebuild_buckets", "",
-         "ddplab's BucketedDDP keeps its first layout; torch re-lays buckets once, before "
-         "iteration 1, in the order gradients arrived in iteration 0"),
+         "_rebuild_buckets", "ddplab.sync.bucketed.BucketedDDP._rebuild_buckets",
+         "once, at the first grad-enabled forward after the first synchronizing backward, in "
+         "the order gradients arrived then (rank 0's); never with find_unused_parameters. The "
+         "full BucketedDDP does the same; the reference keeps reverse parameter order"),
     Step("prepare_for_backward", "DistributedDataParallel._post_forward", "prepare_for_backward",
          "ddplab.sync.bucketed.BucketedDDP.forward",
          "expected buckets reset; with find_unused_parameters the graph is searched from the outputs"),
-    Step("autograd hook per parameter", "", "autograd_hook",
-         "ddplab.sync._common.GradSyncModule._make_hook",
+    Step("autograd hook per parameter", "", "autograd_hook", "ddplab.sync.core.bucketed.BucketedDDP.autograd_hook",
          "runs once a parameter's gradient is accumulated (ddplab: a post-accumulate-grad hook)"),
-    Step("mark_variable_ready", "", "mark_variable_ready", "ddplab.sync.bucket.Bucket.add_grad",
-         "the gradient is copied into its bucket slot (divided by the world size unless a comm "
-         "hook is registered)"),
+    Step("mark_variable_ready", "", "mark_variable_ready", "ddplab.sync.core.bucketed.BucketedDDP.mark_variable_ready",
+         "the gradient is copied into its bucket slot, divided by the world size (torch skips "
+         "the division when a comm hook is registered; the full BucketedDDP only marks the slot "
+         "and copies the whole bucket when it is full: fewer calls from Python)"),
     Step("mark_bucket_ready: launch in index order", "", "mark_bucket_ready",
-         "ddplab.sync.bucketed.BucketedDDP._launch_ready",
+         "ddplab.sync.core.bucketed.BucketedDDP.mark_bucket_ready",
          "a full bucket waits for every lower-index bucket, then all-reduces"),
     Step("comm hook or all-reduce", "", "run_comm_hook", "ddplab.sync.comm_hooks.run_hook",
          "a registered hook replaces the bucket's all-reduce and must return a future"),
-    Step("finalize_backward", "", "finalize_backward",
-         "ddplab.sync._common.GradSyncModule.finish_gradient_synchronization",
+    Step("finalize_backward", "", "finalize_backward", "ddplab.sync.core.bucketed.BucketedDDP.finalize_backward",
          "queued on the autograd engine, runs when backward's compute ends: waits on every "
          "bucket and writes the averages into param.grad"),
 )
@@ -204,14 +212,17 @@ def rebuild_on_rank(steps: int = 3, bucket_cap_mb: float = 0.004) -> dict:
     ``ready_order``: parameter names in the order their gradients were accumulated
     (iteration 0); ``launch_sizes``: per iteration, bucket sizes (elements) in launch
     order (a recording comm hook); ``rebuilt``: buckets after the rebuild, as names, from
-    ``_get_ddp_logging_data()``; ``initial``: torch's first layout (reverse parameter order).
+    ``_get_ddp_logging_data()``; ``initial``: the reference reducer's layout (reverse
+    parameter order, kept: it does not rebuild); ``full``: the full BucketedDDP's layout
+    after each iteration, trained beside torch's (one bucket, then torch's rebuild).
     """
     import torch
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from ddplab.cluster.backend import device
-    from ddplab.sync import assign_buckets
+    from ddplab.sync import BucketedDDP
+    from ddplab.sync.core import compute_bucket_assignment_by_size
     from ddplab.sync.ddp_trace import DDPTracer
 
     torch.manual_seed(0)
@@ -224,7 +235,8 @@ def rebuild_on_rank(steps: int = 3, bucket_cap_mb: float = 0.004) -> dict:
     for n, p in model.named_parameters():
         p.register_post_accumulate_grad_hook(lambda _p, n=n: order.append(n))
     tracer = DDPTracer(ddp)
-    opt = torch.optim.SGD(ddp.parameters(), lr=0.01)
+    ours = BucketedDDP(_declared_out_of_order().to(device()), bucket_cap_mb=bucket_cap_mb)
+    full = []
     g = torch.Generator().manual_seed(dist.get_rank())
     ready = []
     for _ in range(steps):
@@ -233,13 +245,14 @@ def rebuild_on_rank(steps: int = 3, bucket_cap_mb: float = 0.004) -> dict:
         ddp(x).square().mean().backward()
         tracer.end_iteration()
         ready.append(list(order))
-        opt.step()
-        opt.zero_grad()
+        ours(x).square().mean().backward()  # its layout is read before the next forward
+        full.append([b["params"] for b in ours.bucket_layout])
     data = ddp._get_ddp_logging_data()
     spec = data.get("rebuilt_per_bucket_param_indices", "")
     rebuilt = [[names[int(i)] for i in chunk.split()] for chunk in spec.split(",") if chunk]
     params = list(model.parameters())
-    initial = [[names[i] for i in b] for b in assign_buckets(params, bucket_cap_mb)]
+    initial = [[names[i] for i in b]
+               for b in compute_bucket_assignment_by_size(params, bucket_cap_mb)]
     return {"names": names, "ready_order": ready, "launch_sizes": tracer.buckets_seen,
-            "rebuilt": rebuilt, "initial": initial,
+            "rebuilt": rebuilt, "initial": initial, "full": full,
             "logging": {k: data[k] for k in sorted(data) if "bucket" in k}}
