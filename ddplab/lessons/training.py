@@ -119,6 +119,12 @@ def sync_order_on_rank(strategy="bucketed", bucket_cap_mb=0.001):
 
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     x, y = tiny_batch(dist.get_rank(), 0)
+    # One step first: iteration 0 of BucketedDDP (as of torch's DDP) is one bucket, and the
+    # buckets every later step uses are rebuilt after it.
+    F.mse_loss(model(x), y).backward()
+    if after_backward:
+        after_backward()
+    opt.zero_grad()
     rec.clear()
     marks = {"forward_start": comm.now()}
     loss = F.mse_loss(model(x), y)

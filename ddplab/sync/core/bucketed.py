@@ -30,9 +30,10 @@ is still computing earlier layers. The names are torch's (reducer.cpp):
         loss_fn(model(x2), y2).backward()
 
 What it leaves out, compared with torch's DistributedDataParallel:
-- torch uses ONE bucket (per dtype) in the first iteration, then REBUILDS the
-  buckets once, by the rule above, in the order gradients became ready in
-  that iteration. Here the reverse-``parameters()`` layout is kept from the
+- torch uses ONE bucket per dtype in the first iteration (unless
+  ``find_unused_parameters=True`` or ``bucket_cap_mb_list``), then REBUILDS
+  the buckets once, by the rule above, in the order gradients became ready
+  in that iteration. Here the reverse-``parameters()`` layout is kept from the
   start: the same as torch's rebuilt layout when backward produces gradients
   in reverse declaration order (a plain stack of layers), different when a
   model declares layers in another order than it uses them (then the full
@@ -40,8 +41,11 @@ What it leaves out, compared with torch's DistributedDataParallel:
 - ``find_unused_parameters``, ``static_graph``, ``gradient_as_bucket_view``,
   ``bucket_cap_mb_list``, comm hooks and sparse gradients: refused
   here, all in ``ddplab.BucketedDDP``;
-- torch's rule that skips the buffer broadcast after a ``no_sync`` forward;
-  reentrant activation checkpointing; copying each gradient in C++.
+- torch's exact rule for buffers (it skips the broadcast at a forward that
+  follows a ``no_sync`` one, and broadcasts at a no_grad forward right after
+  a synchronizing one): here every grad-enabled forward broadcasts, a
+  no_grad forward never does; reentrant activation checkpointing; copying
+  each gradient in C++.
 
 References: torch/csrc/distributed/c10d/reducer.cpp (``autograd_hook``,
 ``mark_variable_ready_dense``, ``mark_bucket_ready``, ``finalize_backward``,

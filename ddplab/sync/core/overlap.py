@@ -31,8 +31,10 @@ torch launches buckets in a fixed order instead.
 What it leaves out, compared with torch's DistributedDataParallel: buckets
 and the fixed launch order; ``find_unused_parameters``, ``static_graph``,
 comm hooks (see ``bucketed.py``, and the full ``ddplab.BucketedDDP``);
-torch's rule that skips the buffer broadcast after a ``no_sync`` or no_grad
-forward; reentrant activation checkpointing (the callback is queued from
+torch's exact rule for buffers (it skips the broadcast at a forward that
+follows a ``no_sync`` one, and broadcasts at a no_grad forward right after a
+synchronizing one; here every grad-enabled forward broadcasts, a no_grad
+forward never does); reentrant activation checkpointing (the callback is queued from
 the first hook, which may run in a nested backward). ``ddplab.OverlapDDP``
 (the full version) checks the launch order across ranks, queues its
 callback from the forward's outputs and records every collective.
