@@ -30,14 +30,15 @@ order); with ``find_unused_parameters`` the first layout stays.
 
 Host cost per gradient tensor. torch's reducer is C++; here every gradient
 costs one Python hook, so what each hook does is what this class costs.
-With neither unused-parameter option and no sparse bucket (the default)
-the hook takes a short path: find its (bucket, slot), refuse a second
+The hook (``_grad_ready``) takes one of two paths, picked once at
+construction. ``_mark_ready``, with neither unused-parameter option and no
+sparse bucket (the default): find its (bucket, slot), refuse a second
 firing, count the slot, and launch only when its bucket is full and next
-in line. No torch call per gradient: the copies in and out are one fused
-call per bucket (``bucket.py``, "What it costs"). At world size 1 on CPU
-that puts this class at torch DDP's cost per tensor (it was 4.3-4.5 us
-per tensor over it): benchmarks/per_tensor.py, figures in
-docs/benchmarks.md. The options' checks run on the long path, unchanged.
+in line; no torch call per gradient, the copies in and out are one fused
+call per bucket (``bucket.py``). ``_mark_ready_with_policy``: the same after
+asking the unused-parameter policy (``unused_policy.py``). At world size 1
+on CPU the short path puts this class at torch DDP's cost per tensor:
+benchmarks/per_tensor.py, figures in docs/benchmarks.md.
 
 torch's options, same names, same meaning (each tested against torch DDP
 with the same option in tests/test_sync_options.py):
