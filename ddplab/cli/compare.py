@@ -6,7 +6,9 @@ drives ddplab.measure and writes ddplab.widgets' HTML page.
 Prints a progress line per strategy and a table; writes the JSON layout in
 DESIGN.md (``--json``), a Chrome trace for Perfetto (``--trace``) and a
 standalone HTML page (``--html``). ``--strategy FILE.py:NAME`` (repeatable)
-adds a strategy defined in a file (see ddplab.sync.registry).
+adds a strategy defined in a file (see ddplab.sync.registry); ``--model
+FILE.py:make_model`` with ``--batch FILE.py:make_batch`` (and ``--loss``) runs
+your own model (see ddplab.measure.workload).
 """
 from __future__ import annotations
 
@@ -25,7 +27,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="also run a strategy defined in a file (or module:NAME); repeatable")
     p.add_argument("--steps", type=int, default=RunSpec.steps, help="measured steps after warm-up (>= 1)")
     p.add_argument("--warmup", type=int, default=RunSpec.warmup)
-    p.add_argument("--model", default=RunSpec.model, choices=["mlp", "convnet"])
+    p.add_argument("--model", default=RunSpec.model, metavar="NAME|FILE.py:FUNC",
+                   help="mlp, convnet, transformer, or your own model() function in a file")
+    p.add_argument("--batch", metavar="FILE.py:FUNC",
+                   help="your batch(batch_size, rank, step) -> (inputs, target); needed with "
+                        "your own --model")
+    p.add_argument("--loss", metavar="FILE.py:FUNC",
+                   help="your loss(output, target) -> scalar (default: cross-entropy)")
     p.add_argument("--params", type=float, default=RunSpec.n_params, help="MLP parameter count (e.g. 2e7)")
     p.add_argument("--depth", type=int, default=RunSpec.depth, help="MLP layers")
     p.add_argument("--batch-size", type=int, default=RunSpec.batch_size)
@@ -59,9 +67,15 @@ def spec_from_args(args, parser):
             link = LinkModel(args.bandwidth_gbps, args.latency_us or 0.0, "custom link")
         names = [s.strip() for s in args.strategies.split(",") if s.strip()]
         names += [load_strategy(s) for s in args.strategy]
-        return RunSpec(names, args.steps, args.warmup, args.model, args.params, args.depth,
+        from ddplab.measure.spec import MODELS
+        from ddplab.measure.workload import load_callable
+
+        model = args.model if args.model in MODELS else load_callable(args.model, "model")
+        batch = load_callable(args.batch, "batch") if args.batch else None
+        loss = load_callable(args.loss, "loss") if args.loss else None
+        return RunSpec(names, args.steps, args.warmup, model, args.params, args.depth,
                        args.batch_size, args.bucket_cap_mb, link, args.straggler, args.world_size,
-                       progress=True)
+                       progress=True, batch=batch, loss=loss)
     except (ValueError, TypeError, ImportError, OSError) as e:
         parser.error(str(e))
 

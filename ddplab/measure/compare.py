@@ -123,9 +123,13 @@ def compare(cluster=None, strategies=RunSpec.strategies, steps: int = RunSpec.st
             batch_size: int = RunSpec.batch_size, bucket_cap_mb: float = RunSpec.bucket_cap_mb,
             link=None, straggler=None, world_size: int | None = None, lr: float = RunSpec.lr,
             seed: int = RunSpec.seed, record: bool = True, progress: bool = False,
-            spec: RunSpec | None = None) -> CompareResult:
+            spec: RunSpec | None = None, batch=None, loss=None) -> CompareResult:
     """Run ``strategies`` side by side on ``cluster`` (or a temporary one of ``world_size``).
 
+    ``model``: "mlp", "convnet", "transformer" or your own ``model()`` function (then
+    ``batch(batch_size, rank, step) -> (inputs, target)`` too, and optionally
+    ``loss(output, target)``; see ddplab.measure.workload). They are checked here,
+    before any rank starts, and travel to the ranks by value.
     ``link``: a LinkModel, a preset name ("10gbe") or None; ``straggler``:
     (rank, factor) or "RANK:FACTOR". Or pass one ``spec`` (a RunSpec) instead.
     """
@@ -135,7 +139,7 @@ def compare(cluster=None, strategies=RunSpec.strategies, steps: int = RunSpec.st
     if spec is None:
         size = world_size or getattr(cluster, "world_size", None) or RunSpec.world_size
         spec = RunSpec(strategies, steps, warmup, model, n_params, depth, batch_size, bucket_cap_mb,
-                       link, straggler, size, lr, seed, record, progress)
+                       link, straggler, size, lr, seed, record, progress, batch, loss)
     if cluster is not None and cluster.world_size != spec.world_size:
         spec = spec.replace(world_size=cluster.world_size)  # re-checks the straggler's rank
     entries = {n: get_strategy(n) for n in spec.strategies}

@@ -1,5 +1,6 @@
-"""Small models and workloads for experiments: an MLP family sized by parameter count
-and a small conv net with BatchNorm.
+"""Small models and workloads for experiments: an MLP family sized by parameter count,
+a small conv net with BatchNorm and a small GPT-style transformer
+(``ddplab.measure.transformer``).
 
 Teaches: what changes DDP's cost. Communication scales with the number of
 PARAMETERS (every gradient is all-reduced once per step), never with the
@@ -62,12 +63,20 @@ def build(name: str = "mlp", seed: int = 0, **kwargs) -> nn.Module:
         return mlp(**kwargs)
     if name == "convnet":
         return SmallConvNet(**kwargs)
-    raise ValueError(f"unknown model {name!r}: use 'mlp' or 'convnet'")
+    if name == "transformer":
+        from ddplab.measure.transformer import TinyGPT
+
+        return TinyGPT(**kwargs)
+    raise ValueError(f"unknown model {name!r}: use 'mlp', 'convnet' or 'transformer'")
 
 
 def batch(model_name: str, batch_size: int, rank: int, step: int, d_in: int = 64,
           classes: int = 10, seed: int = 1234):
     """This rank's batch for this step: (inputs, integer labels)."""
+    if model_name == "transformer":
+        from ddplab.measure.transformer import batch as token_batch
+
+        return token_batch(batch_size, rank, step, seed=seed)
     g = torch.Generator().manual_seed(seed + 100003 * step + rank)
     if model_name == "convnet":
         x = torch.randn(batch_size, 3, 16, 16, generator=g)

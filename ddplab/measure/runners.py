@@ -16,6 +16,9 @@ into ddplab.sync.comm, where the link lives: every row pays the same network.
 A straggler is made by SLEEPING on one rank during forward (``factor`` times
 its usual compute), not by burning a core that the other rank needs.
 
+The model, its batches and its loss come from ``ddplab.measure.workload``:
+a built-in model or the user's own functions.
+
 Leaves out: data loading, mixed precision, learning-rate schedules.
 """
 from __future__ import annotations
@@ -24,12 +27,11 @@ import statistics
 import time
 
 import torch
-import torch.nn.functional as F
 
 from ddplab.contracts.clock import now
 from ddplab.sync import comm
 from ddplab.timeline.recorder import Recorder
-from ddplab.measure import models
+from ddplab.measure import workload
 
 TRACED_SUFFIX = "_traced"  # the drawn copy of a strategy timed without recording
 
@@ -52,7 +54,8 @@ class StrategyRunner:
         from ddplab.cluster.backend import device
 
         self.device = device()
-        base = models.build(spec.model, seed=spec.seed, **spec.model_kwargs).to(self.device)
+        base = workload.build_model(spec.model, spec.seed, spec.model_kwargs).to(self.device)
+        self.loss_fn = spec.loss or workload.default_loss
         # Phases are always stamped; bucket events only when recording is on.
         self.recorder = Recorder(self.name, rank, world_size, backend)
         if backend == "nccl":
@@ -83,14 +86,14 @@ class StrategyRunner:
 
     def step(self, i: int) -> None:
         spec, rec, built = self.spec, self.recorder, self.built
-        x, y = models.batch(spec.model, spec.batch_size, self.rank, i)
-        x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
+        x, y = workload.make_batch(spec.model, spec.batch, spec.batch_size, self.rank, i,
+                                   self.device)
         rec.begin_iteration(i, {"warmup"} if i < spec.warmup else set())
         with comm.counting() as counted:
             t0 = now()
             with rec.phase("forward"):
                 slept = self._straggle()
-                loss = F.cross_entropy(self.model(x), y)
+                loss = self.loss_fn(self.model(x), y)
             self.opt.zero_grad(set_to_none=True)
             with rec.phase("backward"):
                 loss.backward()

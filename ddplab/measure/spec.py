@@ -10,6 +10,10 @@ Strategy names are checked against ``ddplab.sync.registry`` in the process that
 builds the spec (a notebook's own registrations included). Importing this
 module imports no torch.
 
+``model`` is a built-in name or the user's own ``model()`` function, with
+``batch`` and ``loss`` beside it (see ``ddplab.measure.workload``, which checks
+them in this process, on the CPU or the meta device, before any rank starts).
+
 Leaves out: settings of individual strategies beyond the bucket cap (build
 your own entry in the registry for those).
 """
@@ -21,7 +25,7 @@ import math
 from ddplab.netsim.link import LinkModel
 from ddplab.sync.registry import get_strategy
 
-MODELS = ("mlp", "convnet")
+MODELS = ("mlp", "convnet", "transformer")
 
 
 def parse_straggler(straggler):
@@ -64,6 +68,8 @@ class RunSpec:
     seed: int = 0
     record: bool = True
     progress: bool = False
+    batch: object = None  # batch(batch_size, rank, step) -> (inputs, target); None: built-in
+    loss: object = None  # loss(output, target) -> scalar tensor; None: cross-entropy
 
     def __post_init__(self):
         names = self.strategies
@@ -80,8 +86,9 @@ class RunSpec:
         _int_at_least("depth", self.depth, 2)
         _int_at_least("batch_size", self.batch_size, 1)
         _int_at_least("world_size", self.world_size, 1)
-        if self.model not in MODELS:
-            raise ValueError(f"unknown model {self.model!r}: use {' or '.join(MODELS)}")
+        if isinstance(self.model, str) and self.model not in MODELS:
+            raise ValueError(f"unknown model {self.model!r}: use {', '.join(MODELS)}, "
+                             "or your own function model=make_model")
         if not (isinstance(self.n_params, (int, float)) and self.n_params > 0):
             raise ValueError(f"n_params must be > 0, got {self.n_params!r}")
         cap = self.bucket_cap_mb
@@ -93,6 +100,11 @@ class RunSpec:
         if self.straggler and not 0 <= self.straggler[0] < self.world_size:
             raise ValueError(f"straggler rank {self.straggler[0]} is not a rank of this "
                              f"{self.world_size}-rank run")
+        if not isinstance(self.model, str) or self.batch is not None or self.loss is not None:
+            from ddplab.measure.workload import check  # imports torch: only for user code
+
+            check(self.model, self.batch, self.loss, self.batch_size, self.seed,
+                  tuple(self.model_kwargs.items()))
         # torch DDP's iterations 0 (one bucket) and 1 (the rebuild) are never measured
         if any(get_strategy(s).time_unrecorded for s in names) and self.warmup < 2:
             set_(self, "warmup", 2)
@@ -102,7 +114,9 @@ class RunSpec:
 
     @property
     def model_kwargs(self) -> dict:
-        return {"n_params": self.n_params, "depth": self.depth} if self.model == "mlp" else {}
+        if self.model == "mlp":
+            return {"n_params": self.n_params, "depth": self.depth}
+        return {"n_layer": self.depth} if self.model == "transformer" else {}
 
     def to_dict(self) -> dict:
         """JSON-ready settings (the "config" of compare's JSON)."""
@@ -111,4 +125,8 @@ class RunSpec:
         d["link"] = None if self.link is None else self.link.describe()
         d["straggler"] = None if self.straggler is None else list(self.straggler)
         d.pop("progress")
+        from ddplab.measure.workload import describe
+
+        for k in ("model", "batch", "loss"):
+            d[k] = describe(getattr(self, k))
         return d

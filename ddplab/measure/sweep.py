@@ -47,8 +47,11 @@ def _ready_profile(tl, iteration_numbers):
 
 def bucket_sweep(cluster, caps_mb=(0.25, 1, 4, 16, 64), link=None, steps: int = 4,
                  n_params: float = 4e6, depth: int = 8, batch_size: int = 32,
-                 fitted_link: LinkModel | None = None, progress: bool = False) -> dict:
+                 fitted_link: LinkModel | None = None, progress: bool = False,
+                 model="mlp", batch=None, loss=None) -> dict:
     """Step time and exposed communication of BucketedDDP for each bucket cap.
+
+    ``model``/``batch``/``loss``: a built-in model name or your own functions, as in compare().
 
     ``progress``: print one line per cap as it finishes (a sweep takes seconds per cap).
 
@@ -62,7 +65,8 @@ def bucket_sweep(cluster, caps_mb=(0.25, 1, 4, 16, 64), link=None, steps: int = 
     rows = []
     for cap in caps_mb:
         r = compare(cluster, "none,bucketed", steps=steps, n_params=n_params, depth=depth,
-                    batch_size=batch_size, bucket_cap_mb=cap, link=link)
+                    batch_size=batch_size, bucket_cap_mb=cap, link=link, model=model,
+                    batch=batch, loss=loss)
         m, tl = r.metrics["bucketed"], r.timelines["bucketed"]
         row = {"bucket_cap_mb": cap, "step_ms": m["step_ms"], "exposed_comm_ms": m["exposed_comm_ms"],
                "n_buckets": m["n_buckets"], "overlap_pct": m["overlap_pct"],

@@ -17,7 +17,9 @@ where config has strategies, bucket_cap_mb, n_params, batch_size,
 world_size, straggler (None or (rank, factor)), link (None or a
 ``ddplab.netsim`` preset name) and steps: compare()'s own keyword names. A
 runner whose ``progress`` parameter defaults to None also gets
-``progress(done, total, message)`` calls.
+``progress(done, total, message)`` calls. ``model=``, ``batch=`` and ``loss=``
+(your own functions, see ddplab.measure.workload) go into every config as they
+are, checked by RunSpec before a rank starts.
 
 Figures are ``plotly.graph_objects.FigureWidget`` objects updated in place
 inside ``batch_update()`` (one message to the browser, no flicker). A
@@ -81,7 +83,7 @@ class ControlPanel:
     def __init__(self, runner=None, *, cluster=None, strategies=("manual", "overlap", "bucketed", "ddp"),
                  bucket_cap_mb=2.0, n_params=5_000_000, batch_size=32, world_size=None, straggler=None,
                  link="10gbe", steps=5, iterations=1, max_world_size=8, usable_cpus=None,
-                 extra_config=None):
+                 extra_config=None, model=None, batch=None, loss=None):
         if usable_cpus is None:
             from ddplab.cluster.resources import usable_cpus as _usable  # no torch imported
 
@@ -92,6 +94,9 @@ class ControlPanel:
         self.usable_cpus = usable_cpus
         self.iterations = iterations
         self.extra_config = dict(extra_config or {})
+        # your own model (functions, see ddplab.measure.workload) or a built-in name
+        self.extra_config.update({k: v for k, v in (("model", model), ("batch", batch),
+                                                    ("loss", loss)) if v is not None})
         self.result = None  # the last successful run: {"config", "timelines", "metrics"}
         self.runs = 0
         self.last_error = None
@@ -119,6 +124,11 @@ class ControlPanel:
                                               **_ITEM),
             "link": W.Dropdown(options=LINKS, value=link, description="link", **_ITEM),
         }
+        own = self.extra_config.get("model", "mlp")
+        if own != "mlp":  # the size dropdown sizes the built-in MLP only
+            self.controls["n_params"].disabled = True
+            self.controls["n_params"].description = "model"
+            self.controls["n_params"].options = ((getattr(own, "__name__", str(own)), n_params),)
         self._update_straggler_options(straggler)
         self.world_note = W.HTML()
         self.controls["world_size"].observe(self._on_world_size, names="value")
