@@ -100,8 +100,10 @@ def test_discover_answers_on_this_machine_without_touching_cuda():
 
 
 def test_backend_names_read_the_device_mapped_group():
-    assert rank_backend.group_string("nccl") == "cpu:gloo,cuda:nccl"
-    assert rank_backend.group_string("gloo") == "gloo"
+    # the ranks join through the observing group, which wraps gloo (and NCCL for CUDA tensors)
+    assert rank_backend.group_string("nccl") == "ddplab_nccl"
+    assert rank_backend.group_string("gloo") == "ddplab_gloo"
+    assert rank_backend.name_of("ddplab_nccl") == "nccl" and rank_backend.name_of("ddplab_gloo") == "gloo"
     assert rank_backend.name_of("cpu:gloo,cuda:nccl") == "nccl"
     assert rank_backend.name_of("cuda:nccl,cpu:gloo") == "nccl"
     assert rank_backend.name_of("cpu:gloo") == "gloo"

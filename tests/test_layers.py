@@ -18,7 +18,7 @@ PACKAGE = ROOT / "ddplab"
 # not listed has no layer and fails the test: add it here, at the level it belongs to.
 MODULES = {
     0: {"ddplab.contracts": ["", "clock", "protocols"],
-        "ddplab.cluster": ["", "answers", "backend", "cluster", "diagnosis", "errors", "generations",
+        "ddplab.cluster": ["", "answers", "backend", "cluster", "diagnosis", "errors", "generations", "observed",
                            "gpus", "lifecycle", "output", "process", "progress", "rendezvous",
                            "resources", "status", "subset", "torchrun", "worker"]},
     1: {"ddplab.netsim": ["", "costmodel", "link", "simulated"]},

@@ -9,12 +9,15 @@ tensors through gloo and CUDA tensors through NCCL, so the same rank code runs
 whatever the tensors' device. Gradients on the GPU still travel over NCCL:
 that is what the lab times and names ``nccl``.
 
-``dist.get_backend()`` then answers ``'cpu:gloo,cuda:nccl'``. Rank code asks
+A plain group then answers ``dist.get_backend()`` with ``'cpu:gloo,cuda:nccl'``. Rank code asks
 ``backend_name()`` instead, which says ``'nccl'`` or ``'gloo'``, and
 ``device()`` for where its model and data belong (``cuda:N`` on an NCCL rank,
 ``cpu`` on a gloo rank); the Cluster's ranks, ``%%ddp`` cells and scripts
 under torchrun all get the same answers. ``describe()`` gives the whole
 description, for the doctor and the ``process_group`` field of a result.
+
+The ranks' group is the observing one (``observed.py``): it wraps these real
+groups, so ``dist.get_backend()`` answers ``'ddplab_gloo'`` or ``'ddplab_nccl'``.
 
 Leaves out: other device types (xpu, mps), MPI and UCC backends, and a
 separate CPU group (which would need its own rendezvous and doubles every
@@ -28,15 +31,21 @@ from __future__ import annotations
 import datetime
 
 NCCL_GROUP = "cpu:gloo,cuda:nccl"
+# The observing group (observed.py) wraps the real groups under these backend names.
+OBSERVED = {"gloo": "ddplab_gloo", "nccl": "ddplab_nccl"}
 
 
 def group_string(backend: str) -> str:
-    """What ``init_process_group`` is given for a Cluster or torchrun backend name."""
-    return NCCL_GROUP if backend == "nccl" else backend
+    """What ``init_process_group`` is given for a Cluster or torchrun backend name: the
+    observing group (observed.py) around gloo, or around gloo and NCCL."""
+    return OBSERVED.get(backend, backend)
 
 
 def name_of(description: str) -> str:
     """``'cpu:gloo,cuda:nccl'`` -> ``'nccl'``: the backend that carries the gradients."""
+    from ddplab.cluster.observed import BACKENDS
+
+    description = BACKENDS.get(description, description)
     parts = dict(p.split(":", 1) for p in description.split(",") if ":" in p)
     if parts:
         return parts.get("cuda", parts.get("cpu", description))
@@ -49,12 +58,16 @@ def init_group(backend: str, *, rank: int, world_size: int, timeout: float | Non
     import torch
     import torch.distributed as dist
 
+    from ddplab.cluster.observed import register
+
+    register()
     kwargs = {}
     if backend == "nccl":
         # Select the GPU before any CUDA work, or every rank would make a context on
-        # GPU 0; device_id also binds the NCCL communicator to it at once.
+        # GPU 0. No device_id: init_process_group would ask the group for its CUDA
+        # backend to connect eagerly, and a Python group (observed.py) has none to give;
+        # the NCCL communicator inside it connects at its first collective.
         torch.cuda.set_device(gpu)
-        kwargs["device_id"] = torch.device("cuda", gpu)
     if timeout is not None:
         kwargs["timeout"] = datetime.timedelta(seconds=timeout)
     if store is not None:
@@ -75,7 +88,10 @@ def describe(group=None) -> str:
     """The group's full backend description, e.g. ``'cpu:gloo,cuda:nccl'``."""
     import torch.distributed as dist
 
-    return str(dist.get_backend(group))
+    from ddplab.cluster.observed import BACKENDS
+
+    name = str(dist.get_backend(group))
+    return BACKENDS.get(name, name)
 
 
 def device(group=None):

@@ -44,3 +44,27 @@ class LinkWork(Protocol):
 @runtime_checkable
 class Link(Protocol):
     def wrap(self, work: Any, nbytes: int, group=None) -> LinkWork: ...
+
+
+class Observer(Protocol):
+    """What the observing process group (ddplab.cluster.observed) tells an observer.
+
+    ``launched(op, tensors, group, peer)`` before the op is handed to the real
+    backend (``peer``: the other rank of a send/recv, else None); it returns a
+    token the other calls get back, and may raise to refuse the op.
+    ``started(token, work)`` may return another work to hand out (a simulated
+    link's), or None to keep it. ``waiting(token)`` when someone waits on the
+    work, ``future_taken(token)`` when someone takes its future (torch DDP's
+    reducer does), ``failed(token, exc)`` when a wait raised (it may raise its own
+    error instead). An optional ``timeout`` attribute (seconds) caps every wait.
+    """
+
+    def launched(self, op: str, tensors: list, group: Any, peer: Any) -> Any: ...
+
+    def started(self, token: Any, work: Any) -> Any: ...
+
+    def waiting(self, token: Any) -> None: ...
+
+    def future_taken(self, token: Any) -> None: ...
+
+    def failed(self, token: Any, exc: BaseException) -> None: ...

@@ -1,0 +1,317 @@
+"""The observing process group: every collective of a rank passes one place that sees it.
+
+Teaches: ``torch.distributed`` hands every collective to a process group
+object, whoever calls it: ``dist.all_reduce``, a name imported before any
+patch (``from torch.distributed import all_reduce``),
+``distributed_c10d.broadcast``, ``P2POp`` with ``batch_isend_irecv``, and
+torch DDP's C++ reducer, which never calls a Python function at all but
+calls the group's ``allreduce`` for each bucket. A Python subclass of
+``dist.ProcessGroup``, registered as a backend with
+``dist.Backend.register_backend``, is such an object: this one holds the
+real groups (gloo for CPU tensors, NCCL for CUDA tensors, the
+``"cpu:gloo,cuda:nccl"`` split of ``ddplab.cluster.backend``), hands each
+call to the right one and, on the way,
+
+- counts what it issued: torch's Python groups have no sequence number
+  (``_get_sequence_number_for_group`` raises "does not yet support sequence
+  numbers"), so this group keeps its own; the Cluster compares the counts to
+  decide whether ranks can be kept after a failure (``worker.group_state``);
+- tells the observers installed on it (``observing(observer)``) what ran, on
+  which tensors, and lets them wrap the returned work: a recorder stamps
+  launch and done, a simulated link delays completion, a grader notes waits
+  and gives a short timeout (``ddplab.contracts.protocols.Observer``).
+
+The Cluster's ranks join through it (``backend.group_string``), so the
+learner's code, ddplab's reducers and torch DDP are all seen by one mechanism.
+
+Leaves out, compared with torch's own groups: ``reduce``/``gather``/``scatter``
+called from C++ (torch's Python trampoline cannot route them here; Python
+callers are served), object collectives' internals (they arrive as the
+all-gathers and broadcasts they are made of), functional collectives
+(``torch.distributed._functional_collectives`` goes through the dispatcher,
+not this object), NCCL's coalescing manager (each op is issued alone),
+``TORCH_DISTRIBUTED_DEBUG=DETAIL``'s wrapper group. The NCCL half is written
+for CUDA tensors but was not run on a GPU where this was written.
+
+References: torch/distributed/distributed_c10d.py (Backend.register_backend,
+_new_process_group_helper: a creator returning a ProcessGroup subclass
+replaces the whole group); torch/csrc/distributed/c10d/PyProcessGroup.hpp
+(which methods C++ callers can reach in Python); ProcessGroupGloo,
+ProcessGroupNCCL.
+"""
+from __future__ import annotations
+
+import contextlib
+import datetime
+
+import torch
+import torch.distributed as dist
+
+BACKENDS = {"ddplab_gloo": "gloo", "ddplab_nccl": "cpu:gloo,cuda:nccl"}
+
+
+def _seconds(timeout) -> float | None:
+    if timeout is None:
+        return None
+    return timeout.total_seconds() if isinstance(timeout, datetime.timedelta) else float(timeout)
+
+
+class Observing:
+    """An observer that notes nothing: subclass it and override what you need
+    (the methods of ``ddplab.contracts.protocols.Observer``)."""
+
+    timeout: float | None = None
+
+    def launched(self, op, tensors, group, peer):
+        return None
+
+    def started(self, token, work):
+        return None
+
+    def waiting(self, token):
+        pass
+
+    def future_taken(self, token):
+        pass
+
+    def failed(self, token, exc):
+        pass
+
+
+class ObservedWork(dist._Work):
+    """The work a caller gets: waits go through the observers (timeouts, notes)."""
+
+    def __init__(self, work, group: "ObservedGroup", calls: list):
+        super().__init__()
+        self.work, self.group, self.calls = work, group, calls
+
+    def wait(self, timeout=None):
+        limit = self.group.wait_limit(timeout)
+        for observer, token in self.calls:
+            observer.waiting(token)
+        try:
+            if limit is None:
+                return self.work.wait()
+            return self.work.wait(datetime.timedelta(seconds=limit))
+        except RuntimeError as exc:
+            for observer, token in self.calls:
+                observer.failed(token, exc)  # may raise its own error (a grader's Stalled)
+            raise
+
+    def get_future(self):
+        for observer, token in self.calls:
+            observer.future_taken(token)
+        return self.work.get_future()
+
+    def is_completed(self):
+        return self.work.is_completed()
+
+    def is_success(self):
+        return self.work.is_success()
+
+    def exception(self):
+        return self.work.exception()
+
+    def synchronize(self):
+        return self.work.synchronize()
+
+    def source_rank(self):
+        return self.work.source_rank()
+
+    def result(self):
+        return self.work.result()
+
+
+class ObservedGroup(dist.ProcessGroup):
+    """A process group that forwards to real gloo (and NCCL) groups and is watched."""
+
+    def __init__(self, store, rank: int, size: int, timeout, description: str):
+        super().__init__(rank, size)
+        self.description = description
+        self.timeout = timeout
+        self.store = store  # the group's own (prefixed) store: observers may meet peers there
+        self.cpu = dist.ProcessGroupGloo(dist.PrefixStore("gloo/", store), rank, size, timeout)
+        self.cuda = None
+        if "nccl" in description:
+            opts = dist.ProcessGroupNCCL.Options()
+            opts._timeout = timeout
+            self.cuda = dist.ProcessGroupNCCL(dist.PrefixStore("nccl/", store), rank, size, opts)
+        self.issued = 0  # every collective and point-to-point op, the sequence number
+        self.observers: list = []
+
+    # -- what the Cluster and torch ask of a group -------------------------------------
+    def getBackendName(self) -> str:
+        return "ddplab_nccl" if self.cuda is not None else "ddplab_gloo"
+
+    def _get_sequence_number_for_group(self) -> int:
+        return self.issued
+
+    # torch's ProcessGroup reads its name from a registered backend; this group has
+    # none registered (it holds them itself), so it keeps the name, and destroy works.
+    def setGroupName(self, name: str) -> None:
+        self._name = name
+
+    def getGroupName(self) -> str:
+        return getattr(self, "_name", "")
+
+    def setGroupDesc(self, desc: str) -> None:
+        self._desc = desc
+
+    def getGroupDesc(self) -> str:
+        return getattr(self, "_desc", "")
+
+    @contextlib.contextmanager
+    def observing(self, observer):
+        """Within the block, ``observer`` sees every op on this group (newest last)."""
+        self.observers.append(observer)
+        try:
+            yield observer
+        finally:
+            self.observers.remove(observer)
+
+    def wait_limit(self, asked):
+        """Seconds a wait may take: the caller's limit or the shortest an observer asks for."""
+        limits = [_seconds(asked)] if asked else []
+        limits += [getattr(o, "timeout", None) for o in self.observers]
+        limits = [x for x in limits if x]
+        return min(limits) if limits else None
+
+    # -- the one path every op takes ------------------------------------------------------
+    def _backend(self, tensors):
+        flat = [t for t in _flat(tensors) if isinstance(t, torch.Tensor)]
+        if flat and flat[0].is_cuda:
+            if self.cuda is None:
+                raise RuntimeError(f"a CUDA tensor was given to a {self.description} group; "
+                                   "move it to the CPU, or start the Cluster with backend='nccl'")
+            return self.cuda
+        return self.cpu
+
+    def _issue(self, op: str, tensors, call, peer=None):
+        observers = list(self.observers)
+        calls = [(o, o.launched(op, list(_flat(tensors)), self, peer)) for o in observers]
+        work = call(self._backend(tensors))
+        self.issued += 1
+        for observer, token in calls:
+            work = observer.started(token, work) or work
+        return ObservedWork(work, self, calls)
+
+    # -- collectives (the names torch's c10d calls on a group) ----------------------------
+    def allreduce(self, tensors, opts):
+        return self._issue("all_reduce", tensors, lambda b: b.allreduce(tensors, opts))
+
+    def allreduce_coalesced(self, tensors, opts):
+        return self._issue("all_reduce", tensors, lambda b: b.allreduce_coalesced(tensors, opts))
+
+    def broadcast(self, tensors, opts):
+        return self._issue("broadcast", tensors, lambda b: b.broadcast(tensors, opts))
+
+    def reduce(self, tensors, opts):
+        return self._issue("reduce", tensors, lambda b: b.reduce(tensors, opts))
+
+    def allgather(self, outputs, inputs, opts):
+        return self._issue("all_gather", inputs, lambda b: b.allgather(outputs, inputs, opts))
+
+    def allgather_coalesced(self, outputs, inputs, opts):
+        return self._issue("all_gather", inputs, lambda b: b.allgather_coalesced(outputs, inputs, opts))
+
+    # torch 2.13 calls these "*_single"; the backends keep the older names
+    def all_gather_single(self, output, input, opts):
+        return self._issue("all_gather_into_tensor", [input],
+                           lambda b: b._allgather_base(output, input, opts))
+
+    _allgather_base = all_gather_single
+
+    def all_gather_single_coalesced(self, outputs, inputs, opts):
+        return self._issue("all_gather_into_tensor", inputs,
+                           lambda b: b.allgather_into_tensor_coalesced(outputs, inputs, opts))
+
+    allgather_into_tensor_coalesced = all_gather_single_coalesced
+
+    def gather(self, outputs, inputs, opts):
+        return self._issue("gather", inputs, lambda b: b.gather(outputs, inputs, opts))
+
+    def scatter(self, outputs, inputs, opts):
+        return self._issue("scatter", outputs, lambda b: b.scatter(outputs, inputs, opts))
+
+    def reduce_scatter(self, outputs, inputs, opts):
+        return self._issue("reduce_scatter", inputs, lambda b: b.reduce_scatter(outputs, inputs, opts))
+
+    def reduce_scatter_single(self, output, input, opts):
+        return self._issue("reduce_scatter_tensor", [input],
+                           lambda b: b._reduce_scatter_base(output, input, opts))
+
+    _reduce_scatter_base = reduce_scatter_single
+
+    def reduce_scatter_single_coalesced(self, outputs, inputs, opts):
+        return self._issue("reduce_scatter_tensor", inputs,
+                           lambda b: b.reduce_scatter_tensor_coalesced(outputs, inputs, opts))
+
+    reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced
+
+    def all_to_all_single(self, output, input, output_split_sizes, input_split_sizes, opts):
+        return self._issue("all_to_all_single", [input], lambda b: b.alltoall_base(
+            output, input, output_split_sizes, input_split_sizes, opts))
+
+    alltoall_base = all_to_all_single
+
+    def alltoall(self, outputs, inputs, opts):
+        return self._issue("all_to_all", inputs, lambda b: b.alltoall(outputs, inputs, opts))
+
+    def barrier(self, opts):
+        # a barrier carries no tensor of the caller's; NCCL groups barrier on their GPU
+        device = [torch.empty(0, device="cuda")] if self.cuda is not None else []
+        return self._issue("barrier", device, lambda b: b.barrier(opts))
+
+    def send(self, tensors, dst: int, tag: int):
+        return self._issue("send", tensors, lambda b: b.send(tensors, dst, tag), peer=dst)
+
+    def recv(self, tensors, src: int, tag: int):
+        return self._issue("recv", tensors, lambda b: b.recv(tensors, src, tag), peer=src)
+
+    def recv_anysource(self, tensors, tag: int):
+        return self._issue("recv", tensors, lambda b: b.recv_anysource(tensors, tag))
+
+
+def _flat(tensors):
+    for t in tensors:
+        if isinstance(t, (list, tuple)):
+            yield from t
+        else:
+            yield t
+
+
+def _creator(description):
+    def create(store, rank, size, timeout):
+        return ObservedGroup(store, rank, size, timeout, description)
+    return create
+
+
+def register() -> None:
+    """Make the backends ``ddplab_gloo`` and ``ddplab_nccl`` known to this process (once)."""
+    for name, description in BACKENDS.items():
+        if name.upper() not in dist.Backend._plugins:
+            devices = ["cpu", "cuda"] if "nccl" in description else ["cpu"]
+            dist.Backend.register_backend(name, _creator(description), devices=devices)
+
+
+def observed(group=None) -> ObservedGroup | None:
+    """The observing group behind ``group`` (default: the default group), or None."""
+    if not dist.is_initialized():
+        return None
+    pg = group if group is not None else dist.distributed_c10d._get_default_group()
+    return pg if isinstance(pg, ObservedGroup) else None
+
+
+@contextlib.contextmanager
+def observing(observer, group=None):
+    """``with observing(obs):`` -> ``obs`` sees every op on the (default) observing group.
+
+    Raises when the group is not an observing one (started outside a Cluster, e.g.
+    ``init_process_group("gloo")``): say how to get one."""
+    pg = observed(group)
+    if pg is None:
+        raise RuntimeError("this process group is not observed: start it through ddplab "
+                           "(a Cluster, ddplab.init_from_env) or with backend 'ddplab_gloo' "
+                           "after ddplab.cluster.observed.register()")
+    with pg.observing(observer):
+        yield observer
