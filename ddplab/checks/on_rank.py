@@ -13,8 +13,8 @@ middle, and at every step notes, on every rank:
 - after the step, whether every rank holds the same weights, and how far
   they are from one process and from torch DDP trained on the same data.
 
-The learner's collectives run on a group with a short timeout (see
-``watch``); the grader meets the other ranks after each step on a group of
+The learner's collectives are watched, and their waits cut short, through
+the observing process group (see ``watch``); the grader meets the other ranks after each step on a group of
 its own, so its collectives never pair with the learner's.
 
 Leaves out: timing of any kind in the verdict (clock stamps feed only the
@@ -47,7 +47,12 @@ def call(where: str, fn, *args):
     except Exception as exc:  # noqa: BLE001 - the learner's error, shown as theirs
         frames = [(f.filename, f.lineno, f.name, f.line) for f in traceback.extract_tb(exc.__traceback__)
                   if "/ddplab/" not in f.filename and "/torch/" not in f.filename]
-        raise CheckFailed(RAISED, f"{where} raised {type(exc).__name__}: {exc}", frames) from None
+        hint = ""
+        if isinstance(exc, TypeError) and "NoneType" in str(exc):
+            # torch's own check (distributed_c10d._check_single_tensor) on a missing gradient
+            hint = (" A frozen parameter (requires_grad=False) has no gradient: p.grad is None. "
+                    "Skip parameters whose .grad is None.")
+        raise CheckFailed(RAISED, f"{where} raised {type(exc).__name__}: {exc}{hint}", frames) from None
 
 
 def classify(got, mean, local, world_size) -> dict:
@@ -88,7 +93,7 @@ class Grading:
         self.grader_group = dist.new_group(timeout=timeout)
         self.ddp_rec = Recorder("torch DDP", self.rank, self.world)
         self.rec = Recorder("yours", self.rank, self.world)
-        self.watch = Watch(model, self.learner_group, self.rec)
+        self.watch = Watch(model, self.learner_group, self.rec, hang_s=cfg["hang_s"])
         self.watch.attach_markers(model)  # before the learner's hooks: see watch.py
         self.steps: list = []
         self.params: list = []  # this rank's weights after each step
@@ -198,13 +203,6 @@ def grade_wrapper(cls, cfg) -> dict:
     return g.result(start_gap=start_gap)
 
 
-def _observed_allreduce(group, bucket):
-    """A comm hook for torch DDP that sends through dist.all_reduce, so the watch sees it."""
-    work = dist.all_reduce(bucket.buffer(), group=group, async_op=True)
-    world = dist.get_world_size(group)
-    return work.get_future().then(lambda fut: fut.value()[0].div_(world))
-
-
 def grade_accumulation(fn, cfg) -> dict:
     """``fn(model, optimizer, micro_batches)``: one optimizer step over the micro-batches,
     with ``model`` a torch DistributedDataParallel."""
@@ -213,8 +211,8 @@ def grade_accumulation(fn, cfg) -> dict:
     rank, n = dist.get_rank(), cfg["n_micro"]
     inner = W.graded_model(W.SEED + rank)
     g = Grading(cfg, inner)
+    # torch DDP's own bucket all-reduces reach the watch through the observing group
     model = build_strategy("ddp", inner, process_group=g.learner_group).model
-    model.register_comm_hook(g.learner_group, _observed_allreduce)
     opt = torch.optim.SGD(model.parameters(), lr=W.LR)
     stepped: list = []
     real_step = opt.step

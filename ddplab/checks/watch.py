@@ -1,9 +1,12 @@
 """Watching a learner's synchronization from the outside, on the rank, while it runs.
 
 Teaches what can be known about gradient synchronization code WITHOUT
-reading it: every collective goes through ``torch.distributed``, so while
-the learner's code runs the grader replaces ``dist.all_reduce`` and its
-siblings with versions that note
+reading it: every collective reaches the rank's process group, however the
+code spells it (``dist.all_reduce``, a name imported earlier,
+``distributed_c10d.*``, a Work's ``wait()`` or future, torch DDP's reducer).
+The ranks' group is the observing one (``ddplab.cluster.observed``), and
+while the learner's code runs this watch is installed on it as an observer
+that notes
 
 - which collective ran and on WHAT: a parameter's gradient, the parameter
   itself (weights, not gradients!), or a tensor of the learner's own (a
@@ -21,29 +24,27 @@ before the learner's hook of the same parameter, and the first marker of a
 backward queues a callback that runs when backward's compute is over,
 before any callback the learner queues.
 
-Collectives the learner sends to the default group run instead on a group
-the grader made with a short timeout: a rank left waiting for a collective
-its peer never calls gets an error after that timeout, which becomes a
-message naming what it was waiting for (``Stalled``), not a frozen notebook.
+Every wait the learner's code makes is capped at the grader's short timeout
+(the watch's ``timeout``): a rank left waiting for a collective its peer
+never calls gets an error after that time, which becomes a message naming
+what it was waiting for (``Stalled``), not a frozen notebook.
 
-Leaves out: point-to-point ops, object collectives and functional
-collectives (they pass through unobserved), and CUDA streams.
+Leaves out: point-to-point ops (``ddplab.lessons.ring`` pairs those),
+functional collectives (they do not reach the group object), and CUDA
+streams. Object collectives are seen as the tensor collectives they are made of.
 References: torch.distributed.all_reduce (``async_op=True`` returns a
 ``Work``); torch.Tensor.register_post_accumulate_grad_hook;
 torch.autograd.Variable._execution_engine.queue_callback.
 """
 from __future__ import annotations
 
-import inspect
+import contextlib
 
 import torch
 import torch.distributed as dist
-from torch.distributed import distributed_c10d
 
+from ddplab.cluster.observed import observing
 from ddplab.timeline.clock import now
-
-OBSERVED = ("all_reduce", "broadcast", "all_gather", "all_gather_into_tensor", "reduce",
-            "reduce_scatter_tensor", "barrier")
 
 
 class Stalled(RuntimeError):
@@ -58,29 +59,13 @@ class Stalled(RuntimeError):
         return (Stalled, (self.rank, self.what))
 
 
-class WorkProxy:
-    """The learner's handle on an async collective: ``wait()`` is noted, the rest passes through."""
-
-    def __init__(self, work, event: dict, watch: "Watch"):
-        self._work, self._event, self._watch = work, event, watch
-
-    def wait(self, *args, **kwargs):
-        self._watch._add("wait", seq=self._event["seq"])
-        return self._watch._blocking(self._event, self._work.wait, *args, **kwargs)
-
-    def get_future(self):
-        self._event["future"] = True  # waiting through the future is not visible here
-        return self._work.get_future()
-
-    def __getattr__(self, name):
-        return getattr(self._work, name)
-
-
 class Watch:
-    """Install with ``with watch.installed():``; markers with ``attach_markers(model)``."""
+    """Install with ``with watch.installed():``; markers with ``attach_markers(model)``.
 
-    def __init__(self, model, group, recorder=None):
-        self.group = group
+    It is an observer of the observing group (``ddplab.contracts.protocols.Observer``)."""
+
+    def __init__(self, model, group=None, recorder=None, hang_s: float | None = None):
+        self.group, self.hang_s = group, hang_s
         self.rank = dist.get_rank()
         self.recorder = recorder
         self.named = list(model.named_parameters())  # frozen ones too: they can be misused
@@ -114,59 +99,43 @@ class Watch:
         self._in_backward = False
         self._add("backward_end")
 
-    # -- installing -----------------------------------------------------------------
+    # -- installing: an observer on the observing process group --------------------
     def installed(self):
-        watch = self
+        """While the block runs, this watch observes the default group and ``self.group``."""
+        stack = contextlib.ExitStack()
+        groups = [None] if self.group in (None, dist.group.WORLD) else [None, self.group]
+        for group in groups:
+            stack.enter_context(observing(self, group))
+        return stack
 
-        class _Installed:
-            def __enter__(self):
-                watch._install()
+    @property
+    def timeout(self):
+        """Every wait the learner's code makes is capped at the grader's hang time."""
+        return self.hang_s
 
-            def __exit__(self, *exc):
-                watch._uninstall()
-                return False
-        return _Installed()
+    def launched(self, op, tensors, group, peer):
+        if op in ("send", "recv"):
+            return None  # point-to-point passes unobserved here (see ddplab.lessons.ring)
+        tensor = next((t for t in tensors if isinstance(t, torch.Tensor)), None)
+        return self._launch(op, tensor if op != "barrier" else None)
 
-    def _install(self):
-        for name in OBSERVED:
-            orig = getattr(distributed_c10d, name)
-            self._saved[name] = orig
-            wrapped = self._wrap(name, orig)
-            setattr(distributed_c10d, name, wrapped)
-            setattr(dist, name, wrapped)
+    def started(self, event, work):
+        if event is not None and self.recorder is not None \
+                and event["phase_"] in ("backward", "after backward"):
+            self._record(event, work)
+        return None
 
-    def _uninstall(self):
-        for name, orig in self._saved.items():
-            setattr(distributed_c10d, name, orig)
-            setattr(dist, name, orig)
-        self._saved = {}
+    def waiting(self, event):
+        if event is not None:
+            self._add("wait", seq=event["seq"])
 
-    def _wrap(self, name, orig):
-        sig = inspect.signature(orig)
+    def future_taken(self, event):
+        if event is not None:
+            event["future"] = True  # waiting through the future is not visible here
 
-        def observed(*args, **kwargs):
-            call = sig.bind(*args, **kwargs).arguments
-            if call.get("group") is None or call.get("group") is dist.group.WORLD:
-                call["group"] = self.group
-            tensor = _first_tensor(call)
-            if tensor is None and name != "barrier":
-                raise TypeError(f"dist.{name} got no tensor (None?). A frozen parameter "
-                                "(requires_grad=False) has no gradient: p.grad is None. Skip "
-                                "parameters whose .grad is None.")
-            wants_work = bool(call.get("async_op", False))
-            call["async_op"] = True
-            event = self._launch(name, tensor)
-            work = self._blocking(event, orig, **call)
-            if self.recorder is not None and event["phase_"] in ("backward", "after backward"):
-                self._record(event, work)
-            proxy = WorkProxy(work, event, self)
-            if wants_work:
-                return proxy
-            event["async"] = False
-            proxy.wait()
-            return None
-        observed.__wrapped__ = orig
-        return observed
+    def failed(self, event, exc):
+        if event is not None and "imed out" in str(exc):
+            raise Stalled(self.rank, self.describe(event)) from None
 
     # -- what happened ------------------------------------------------------------------
     def _add(self, what, **info):
@@ -196,14 +165,6 @@ class Watch:
             if p.grad is not None and p.grad.untyped_storage().data_ptr() == ptr:
                 return "grad", name
         return "own", None
-
-    def _blocking(self, event, fn, *args, **kwargs):
-        try:
-            return fn(*args, **kwargs)
-        except RuntimeError as exc:
-            if "imed out" not in str(exc):
-                raise
-            raise Stalled(self.rank, self.describe(event)) from None
 
     def describe(self, event) -> str:
         on = {"grad": f"the gradient of {event['param']}", "weight": f"the weight {event['param']}",
@@ -256,12 +217,3 @@ class Watch:
         return {"launches": launches, "hooks": [e["param"] for e in evs if e["what"] == "hook"],
                 "backward_ends": sum(1 for e in evs if e["what"] == "backward_end")}
 
-
-def _first_tensor(call: dict):
-    for key in ("tensor", "output_tensor", "tensor_list", "output", "input_tensor"):
-        t = call.get(key)
-        if isinstance(t, (list, tuple)) and t:
-            t = t[0]
-        if isinstance(t, torch.Tensor):
-            return t
-    return None
