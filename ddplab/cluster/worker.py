@@ -147,7 +147,7 @@ def group_state() -> dict | None:
                     seqs.append(pg._get_backend(torch.device(device))._get_sequence_number_for_group())
                 except Exception:  # no backend for that device in this group
                     pass
-            if not seqs:
+            if not seqs:  # the observing group (observed.py) has no backend: it counts itself
                 seqs.append(pg._get_sequence_number_for_group())
             state[name] = tuple(seqs)
         return state
