@@ -7,9 +7,7 @@ which collectives ran on what, and when ``wait()`` happened. Budget: ~30 s
 on 2 ranks (the two hang tests wait out a 3 s collective timeout each).
 """
 import contextlib
-import sys
 
-import cloudpickle
 import pytest
 import torch
 import torch.distributed as dist
@@ -21,17 +19,13 @@ from ddplab import checks
 from ddplab.checks import mistakes as M
 from ddplab.checks import loss_fn
 
-# Ranks unpickle these by value: they need not import the test modules.
-cloudpickle.register_pickle_by_value(S)
-cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
 pytestmark = pytest.mark.timeout(300)
 
 
-@pytest.fixture(scope="module")
-def cluster():
-    with ddplab.Cluster(world_size=2) as c:
-        yield c
+@pytest.fixture
+def cluster(cluster2):
+    return cluster2  # shared for the session (conftest.py)
 
 
 def failure(check, cluster, code, **kw):

@@ -6,9 +6,7 @@ Plus the pieces of ``lessons.hangs`` / ``lessons.pipeline`` the labs lean on
 that can be checked without the notebooks. Budget: ~1-2 min on 2 ranks (two
 planted hangs each wait out a 3 s collective timeout and a rank replacement).
 """
-import sys
 
-import cloudpickle
 import pytest
 import torch
 import torch.distributed as dist
@@ -21,14 +19,12 @@ from ddplab.checks import pipeline as PC
 from ddplab.lessons import hangs
 from ddplab.lessons import pipeline as P
 
-cloudpickle.register_pickle_by_value(sys.modules[__name__])
 pytestmark = pytest.mark.timeout(400)
 
 
-@pytest.fixture(scope="module")
-def cluster():
-    with ddplab.Cluster(world_size=2, timeout=3) as c:
-        yield c
+@pytest.fixture
+def cluster(cluster2_short):
+    return cluster2_short  # shared for the session (conftest.py)
 
 
 def mistake(check, cluster, fn, **kw):

@@ -23,18 +23,6 @@ def gone(pid: int) -> bool:
         return True
 
 
-@pytest.fixture(scope="module")
-def cluster2():
-    with ddplab.Cluster(world_size=2, timeout=60.0) as c:
-        yield c
-
-
-@pytest.fixture(scope="module")
-def cluster3():
-    with ddplab.Cluster(world_size=3) as c:
-        yield c
-
-
 def _rank_and_sum(x):
     import torch.distributed as dist
 

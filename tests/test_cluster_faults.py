@@ -17,10 +17,9 @@ from ddplab.cluster import output
 from _procs import gone, rank_children, wait_gone, wait_rank_children
 
 
-@pytest.fixture(scope="module")
-def cluster():
-    with ddplab.Cluster(world_size=2, timeout=20.0) as c:
-        yield c
+@pytest.fixture
+def cluster(cluster2):
+    return cluster2  # shared for the session (conftest.py)
 
 
 def _reduce(x):

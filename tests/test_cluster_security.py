@@ -37,10 +37,9 @@ print(json.dumps(seen))
 """
 
 
-@pytest.fixture(scope="module")
-def cluster():
-    with ddplab.Cluster(2, timeout=20) as c:
-        yield c
+@pytest.fixture
+def cluster(cluster2):
+    return cluster2  # shared for the session (conftest.py)
 
 
 def _kernel_listeners() -> list[str]:

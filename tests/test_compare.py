@@ -8,20 +8,19 @@ from pathlib import Path
 
 import pytest
 
-import ddplab
 from ddplab.measure.compare import compare
 from ddplab.netsim import LinkModel
 
 
-@pytest.fixture(scope="module")
-def cluster():
-    with ddplab.Cluster(2) as c:
-        yield c
+@pytest.fixture
+def cluster(cluster2):
+    return cluster2  # shared for the session (conftest.py)
 
 
 @pytest.fixture(scope="module")
-def every_strategy(cluster):
-    return compare(cluster, "none,manual,manual_flat,overlap,bucketed,ddp", steps=4,
+def every_strategy(session_cluster2):
+    session_cluster2.ensure_ready()
+    return compare(session_cluster2, "none,manual,manual_flat,overlap,bucketed,ddp", steps=4,
                    n_params=1e6, bucket_cap_mb=0.5)
 
 

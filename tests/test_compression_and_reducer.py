@@ -2,27 +2,22 @@
 state, the comm-hook grader names each planted mistake (two spellings), and the reducer map finds
 every step in the installed torch (and fails when a name is gone). Budget: ~40 s on 2 ranks.
 """
-import sys
 
-import cloudpickle
 import pytest
 import torch
 import torch.distributed as dist
 
-import ddplab
 from ddplab.checks import CheckFailed, check_comm_hook
 from ddplab.checks import compression as H
 from ddplab.lessons import compression as C
 from ddplab.lessons import reducer_map as R
 
-cloudpickle.register_pickle_by_value(sys.modules[__name__])
 pytestmark = pytest.mark.timeout(300)
 
 
-@pytest.fixture(scope="module")
-def cluster():
-    with ddplab.Cluster(world_size=2) as c:
-        yield c
+@pytest.fixture
+def cluster(cluster2):
+    return cluster2  # shared for the session (conftest.py)
 
 
 # -- hooks as a learner would write them -------------------------------------------------------

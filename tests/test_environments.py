@@ -1,9 +1,13 @@
 """The conda and Binder environments list what pyproject asks for, so `make lab`,
-conda and Binder give a learner the same lab."""
+conda and Binder give a learner the same lab; CI runs `make check`, which runs every test."""
 import re
+import shutil
+import subprocess
+import sys
 import tomllib
 from pathlib import Path
 
+import pytest
 import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -33,9 +37,39 @@ def test_binder_installs_the_package_without_pulling_dependencies():
     assert (ROOT / "binder" / "postBuild").stat().st_mode & 0o111, "postBuild must be executable"
 
 
-def test_ci_builds_the_handouts_and_the_workflow_runs_what_ci_runs():
+def _make_dry_run(*targets) -> str:
+    """What ``make TARGETS`` would run (its own recursive makes included), without running it."""
+    if shutil.which("make") is None:
+        pytest.skip("make is not installed")
+    out = subprocess.run(["make", "-n", *targets, f"PY={sys.executable}", "STAMP="], cwd=ROOT,
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    return out.stdout
+
+
+def test_ci_runs_make_check_and_the_workflow_runs_what_ci_runs():
     ci = (ROOT / ".ci" / "run").read_text()
-    assert "make test" in ci and "make handouts" in ci
+    assert "\nmake check\n" in ci
     workflow = yaml.safe_load((ROOT / ".github" / "workflows" / "ci.yml").read_text())
     steps = [s.get("run", "") for job in workflow["jobs"].values() for s in job["steps"]]
     assert "bash .ci/run" in steps
+
+
+def test_make_check_runs_make_test_then_the_labs_at_world_size_1_and_the_handouts():
+    plan = _make_dry_run("check")
+    unit, labs_ws1, handouts = (plan.index(s) for s in (
+        "--ignore-glob='tests/test_browser*.py'", "DDPLAB_WORLD_SIZE=1", "ddplab.course.handouts"))
+    assert unit < labs_ws1 and unit < handouts
+    assert "tests/test_browser.py" in plan and "--durations=15" in plan
+
+
+def test_every_lab_runs_in_make_test_or_make_check():
+    labs = {p.name for p in (ROOT / "labs").glob("*.ipynb")}
+    quick = set(re.findall(r"labs/([\w.-]+\.ipynb)", _make_dry_run("test-labs")))
+    more = set(re.findall(r"labs/([\w.-]+\.ipynb)", _make_dry_run("test-labs-more")))
+    assert quick and quick | more == labs and not quick & more
+
+
+def test_make_test_fast_leaves_out_the_slow_tests_only():
+    plan = _make_dry_run("test-fast")
+    assert '-m "not slow"' in plan and "tests " in plan

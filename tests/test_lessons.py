@@ -2,14 +2,12 @@
 import pytest
 import torch
 
-import ddplab
 from ddplab.lessons import training as L
 
 
-@pytest.fixture(scope="module")
-def cluster():
-    with ddplab.Cluster(2) as c:
-        yield c
+@pytest.fixture
+def cluster(cluster2):
+    return cluster2  # shared for the session (conftest.py)
 
 
 @pytest.mark.parametrize("strategy", ["manual", "manual_flat", "overlap", "bucketed", "ddp"])

@@ -11,7 +11,6 @@ import pytest
 import torch
 import torch.distributed as dist
 
-import ddplab
 from ddplab.measure import RunSpec, compare
 from ddplab.sync.registry import (Built, build_strategy, get_strategy, register_strategy,
                                strategy_names, unregister_strategy)
@@ -49,10 +48,9 @@ def halved_after_backward(module, recorder=None):
 '''
 
 
-@pytest.fixture(scope="module")
-def cluster():
-    with ddplab.Cluster(2) as c:
-        yield c
+@pytest.fixture
+def cluster(cluster2):
+    return cluster2  # shared for the session (conftest.py)
 
 
 @pytest.fixture

@@ -5,9 +5,7 @@ must name it from what ran on 3 live ranks (values, messages, bytes). The deadlo
 unpaired cases would hang on NCCL (and on gloo for large messages): the check stops them
 after its timeout (2 s here). Also the two-"node" torchrun launch of lab 00. Budget ~60 s.
 """
-import sys
 
-import cloudpickle
 import pytest
 import torch
 import torch.distributed as dist
@@ -17,14 +15,12 @@ from ddplab import checks
 from ddplab.lessons import firstgroup, ring
 from ddplab.checks import ring as R
 
-cloudpickle.register_pickle_by_value(sys.modules[__name__])
 pytestmark = pytest.mark.timeout(300)
 
 
-@pytest.fixture(scope="module")
-def cluster():
-    with ddplab.Cluster(world_size=3) as c:
-        yield c
+@pytest.fixture
+def cluster(cluster3):
+    return cluster3  # shared for the session (conftest.py)
 
 
 def mistake(cluster, fn):

@@ -18,7 +18,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-import ddplab
 from ddplab.sync import MB, BucketedDDP, ListRecorder, OverlapDDP, assign_buckets, comm
 from ddplab.sync import average_gradients
 
@@ -27,12 +26,6 @@ import _sync_helpers as H
 MLP_NAMES = ["fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias", "fc3.weight", "fc3.bias"]
 # float64 bytes of those, in parameters() order
 MLP_BYTES = [768, 128, 2048, 128, 384, 24]
-
-
-@pytest.fixture(scope="module")
-def cluster2():
-    with ddplab.Cluster(world_size=2) as c:
-        yield c
 
 
 def mlp_params():

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import pytest
 
-import ddplab
 from ddplab.sync import MB
 
 import _sync_helpers as H
@@ -25,18 +24,6 @@ ONE_BUCKET = "bucketed:25"
 TWO_BUCKETS = f"bucketed:{3000 / MB}"  # the first five fit in 2,712 B; fc1.weight would pass 3,000
 N_BUCKETS = f"bucketed:{1 / MB}"  # every parameter is over a 1-byte cap: one bucket each
 STRATEGIES = ["manual", "manual_flat", "overlap", ONE_BUCKET, TWO_BUCKETS, N_BUCKETS]
-
-
-@pytest.fixture(scope="module")
-def cluster2():
-    with ddplab.Cluster(world_size=2) as c:
-        yield c
-
-
-@pytest.fixture(scope="module")
-def cluster3():
-    with ddplab.Cluster(world_size=3) as c:
-        yield c
 
 
 def check(results, compare_ref=True):

@@ -17,12 +17,6 @@ from ddplab.sync import BucketedDDP, OverlapDDP, average_gradients
 import _sync_helpers as H
 
 
-@pytest.fixture(scope="module")
-def cluster2():
-    with ddplab.Cluster(world_size=2) as c:
-        yield c
-
-
 @pytest.mark.parametrize("cap", [0, -1.0, math.nan, "25", True, [25]])  # None: torch's default
 def test_bad_bucket_cap_says_what_to_pass(cap):
     with pytest.raises(ValueError, match="bucket_cap_mb must be a positive number"):

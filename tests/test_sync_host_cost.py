@@ -14,23 +14,10 @@ import collections
 
 import pytest
 
-import ddplab
 
 # aten ops that move or scale gradient data (forward/backward compute is not counted)
 COPY_OPS = ("copy_", "div", "div_", "mul", "mul_", "_foreach_copy_", "_foreach_div_", "zero_",
             "clone")
-
-
-@pytest.fixture(scope="module")
-def cluster1():
-    with ddplab.Cluster(world_size=1) as c:
-        yield c
-
-
-@pytest.fixture(scope="module")
-def cluster2():
-    with ddplab.Cluster(world_size=2) as c:
-        yield c
 
 
 def _copy_ops_per_backward(n_layers, view):

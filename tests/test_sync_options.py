@@ -26,7 +26,6 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks as torch_hooks
 
-import ddplab
 from ddplab.sync import MB, BucketedDDP, assign_buckets, comm, comm_hooks
 from ddplab.sync.bucket import TORCH_DEFAULT_FIRST_BUCKET_MB
 
@@ -34,12 +33,6 @@ import _sync_helpers as H
 
 TOL = 1e-12
 ONE_EACH = 1 / MB  # a 1-byte cap: every parameter in a bucket of its own
-
-
-@pytest.fixture(scope="module")
-def cluster2():
-    with ddplab.Cluster(world_size=2) as c:
-        yield c
 
 
 class Branchy(nn.Module):

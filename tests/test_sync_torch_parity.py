@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import pytest
 
-import ddplab
 from ddplab.sync import MB
 
 import _parity_cases as C
@@ -27,18 +26,6 @@ ONE_BUCKET = "bucketed:25"
 PER_PARAM = f"bucketed:{1 / MB}"  # a 1-byte cap: a bucket per parameter
 WRAPPERS = ["overlap", ONE_BUCKET, PER_PARAM]
 ALL = ["manual", "manual_flat"] + WRAPPERS
-
-
-@pytest.fixture(scope="module")
-def cluster2():
-    with ddplab.Cluster(world_size=2, timeout=30) as c:
-        yield c
-
-
-@pytest.fixture(scope="module")
-def cluster3():
-    with ddplab.Cluster(world_size=3, timeout=30) as c:
-        yield c
 
 
 @pytest.fixture(params=["cluster2", "cluster3"])
