@@ -14,7 +14,7 @@ per-tensor host cost, measured here against two references:
   any hook-based strategy can cost;
 - ``ddp``: torch's DistributedDataParallel (its reducer is C++).
 
-Models (the two of issue 17): a 12-layer transformer encoder, 144 tensors
+Models (the two the per-tensor work was judged on): a 12-layer transformer encoder, 144 tensors
 (1024 wide on GPU; 64 wide on CPU by default, ``--width``, so that a step
 on 2 shared cores is short enough for the machinery to show), and a
 200-layer MLP, 400 tensors, 32 wide on CPU (512 on GPU).

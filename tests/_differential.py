@@ -237,7 +237,7 @@ def _train(c, name):
             break
         if "ours" not in errors:  # torch may have refused, or trips on its own assert
             # Buffers are compared except where ddplab differs from torch on purpose
-            # (DESIGN.md): manual syncs them once, and the wrappers broadcast at every
+            # (docs/design.md, buffers): manual syncs them once, and the wrappers broadcast at every
             # grad-enabled forward where torch skips the one after a no_sync forward.
             params_only = "manual" in name or c["micro_steps"] > 1
             vs_ddp = float("nan") if "ddp" in errors else _diff(

@@ -1,4 +1,4 @@
-"""The eight cases of issue 11, as models and training steps that run on every rank.
+"""Eight cases where the strategies once parted from torch DDP, as models and training steps that run on every rank.
 
 Each case is a model and a step (what the learner's loop does with it). ``train``
 runs a strategy, torch's DistributedDataParallel and one process side by
@@ -214,7 +214,7 @@ def train(case, strategy, steps=4, ours_kw=None, torch_kw=None, slow_link=False,
             for k, m in models.items()}
     out = {"errors": {}, "vs_ddp": [], "vs_ref": [], "params": [], "eval_diff": []}
     per_rank = 4
-    # the registry (issue 13) replaced netsim's use_link by comm.using_link; close() ends its thread
+    # the link lives in the choke point (comm.using_link), as compare() puts it; close() ends its thread
     link = SimulatedLink(SLOW_LINK, ws) if slow_link else None
     with link or contextlib.nullcontext(), comm.using_link(link):
         for step in range(steps):

@@ -211,7 +211,7 @@ def test_two_clusters_at_once():
 
 
 def test_shutdown_leaves_no_processes_and_no_aborts():
-    # gloo can abort a rank during interpreter teardown (PITFALLS.md); ranks
+    # gloo can abort a rank during interpreter teardown (docs/pitfalls.md); ranks
     # here leave through os._exit after a clean destroy, so every exit is 0.
     def ddp_steps():
         model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(8, 8))

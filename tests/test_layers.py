@@ -1,4 +1,4 @@
-"""The layers of DESIGN.md, read from the import graph: nothing imports upward.
+"""The layers of docs/architecture.md, read from the import graph: nothing imports upward.
 
 Every ``import`` in every ddplab module (at the top or inside a function) is
 resolved to the ddplab module it names and given that module's layer; an

@@ -1,4 +1,4 @@
-"""BucketedDDP's host cost per gradient tensor: copies are fused per bucket (issue 17).
+"""BucketedDDP's host cost per gradient tensor: copies are fused per bucket.
 
 The cost of a hook-based reducer is Python calls per tensor. These tests pin
 the structure that makes it cheap, with counts rather than timings (a loaded
@@ -6,7 +6,7 @@ machine cannot make them flaky): the number of torch ops that move gradients
 into and out of a bucket does not grow with the number of small gradients in
 it. And the fused path and the per-tensor path for large gradients (mixed in
 one bucket) still give torch DDP's gradients. The timings themselves:
-benchmarks/per_tensor.py.
+benchmarks/per_tensor.py (docs/benchmarks.md, "Per-tensor host cost").
 """
 from __future__ import annotations
 
@@ -54,7 +54,7 @@ def _copy_ops_per_backward(n_layers, view):
 def test_copies_into_and_out_of_a_bucket_do_not_grow_with_its_number_of_gradients(cluster1, view):
     few, many = cluster1.run(lambda: (_copy_ops_per_backward(5, view),
                                       _copy_ops_per_backward(50, view)))[0]
-    # before issue 17: one division-copy in and one copy out per gradient (10 vs 100 each)
+    # before the copies were fused: one division-copy in and one copy out per gradient (10 vs 100 each)
     assert few == many, (few, many)
     assert sum(many.values()) <= 3, many  # copy in, divide, copy back: one call each
 

@@ -4,7 +4,7 @@ Sits at the top of the package, beside the magics, export and doctor: it
 drives ddplab.measure and writes ddplab.widgets' HTML page.
 
 Prints a progress line per strategy and a table; writes the JSON layout in
-DESIGN.md (``--json``), a Chrome trace for Perfetto (``--trace``) and a
+docs/design.md (``--json``), a Chrome trace for Perfetto (``--trace``) and a
 standalone HTML page (``--html``). ``--strategy FILE.py:NAME`` (repeatable)
 adds a strategy defined in a file (see ddplab.sync.registry); ``--model
 FILE.py:make_model`` with ``--batch FILE.py:make_batch`` (and ``--loss``) runs

@@ -24,7 +24,7 @@ separate CPU group (which would need its own rendezvous and doubles every
 connection).
 
 References: torch.distributed.init_process_group (backend strings of the form
-"cpu:gloo,cuda:nccl", ``device_id``); PITFALLS.md "GPUs".
+"cpu:gloo,cuda:nccl", ``device_id``); docs/pitfalls.md, "GPUs and NCCL".
 """
 from __future__ import annotations
 

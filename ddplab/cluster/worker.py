@@ -27,7 +27,7 @@ Why each odd line is here:
   (how many collectives it has issued): when ranks disagree, collectives
   no longer line up and the kernel replaces the ranks.
 - The rank leaves by ``os._exit`` once its last message is sent: gloo can
-  abort a process in interpreter teardown (see PITFALLS.md), and a learner
+  abort a process in interpreter teardown (docs/pitfalls.md), and a learner
   should never see "terminate called without an active exception".
 - ``channel`` and ``job_id`` let code running in a job send the kernel more
   than its result (``%%ddp`` display objects); frames whose function sets

@@ -17,7 +17,7 @@ never a fixed one), waits for both and returns each rank's printed lines.
 Leaves out: real second machines (then HOST must be an address the other
 machine can reach, and firewalls matter), elastic restarts, SLURM/MPI
 launchers. The c10d store torchrun starts listens on every interface for
-the few seconds the demo runs (torch's TCPStore does; see PITFALLS.md):
+the few seconds the demo runs (torch's TCPStore does; docs/pitfalls.md):
 ddplab's Cluster itself rendezvouses through a private file instead.
 
 References: https://docs.pytorch.org/docs/stable/elastic/run.html;

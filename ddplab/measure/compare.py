@@ -49,7 +49,7 @@ class CompareResult:
         return self.meta["labels"]
 
     def to_json(self) -> dict:
-        """The layout DESIGN.md documents (pinned by tests/golden/compare_layout.json)."""
+        """The layout docs/design.md documents (pinned by tests/golden/compare_layout.json)."""
         return {"world_size": self.world_size, "backend": self.backend,
                 "simulated_link": self.meta.get("simulated_link"),
                 "oversubscribed": self.meta.get("oversubscribed", False),

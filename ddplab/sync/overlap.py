@@ -20,10 +20,9 @@ nothing left to do.
 What it costs: one collective per parameter. Small messages pay the fixed
 per-message latency many times over; BucketedDDP groups them. Even with
 nobody to talk to (world size 1) each launch is a Python call into the
-backend and a Work object: about 40 us per tensor of host time over torch
-DDP on this project's 2-core CPU (about 90 under heavy load), where
-BucketedDDP is at torch DDP's cost (benchmarks/per_tensor.py;
-docs/benchmarks.md).
+backend and a Work object, tens of microseconds of host time per tensor
+over torch DDP, where BucketedDDP is at torch DDP's cost
+(benchmarks/per_tensor.py; figures in docs/benchmarks.md).
 
 Launch order. Ranks pair collectives by the order they are called in, and
 here all-reduces start in the order gradients become ready. That order is
