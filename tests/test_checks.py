@@ -337,6 +337,7 @@ def test_learner_drafts_get_hints_that_point_at_the_cause(cluster):
     assert "optimizer.step() ran 4 time(s)" in str(failed)
 
 
+@pytest.mark.slow
 def test_a_hang_is_stopped_and_says_what_it_waited_for(cluster):
     failed = failure(checks.check_average_gradients, cluster, avg_only_rank0, timeout=3)
     text = str(failed)
@@ -349,6 +350,7 @@ def test_a_hang_is_stopped_and_says_what_it_waited_for(cluster):
     checks.check_average_gradients(cluster, S.my_average_gradients, draw=False)
 
 
+@pytest.mark.slow
 def test_a_python_hang_is_stopped_with_where_it_waited(cluster):
     # both ranks sit in Python, not in a collective: the job limit (2 * 1 + 10 s) stops them
     failed = failure(checks.check_average_gradients, cluster, avg_waits_forever, timeout=1)
@@ -356,6 +358,7 @@ def test_a_python_hang_is_stopped_with_where_it_waited(cluster):
     assert "avg_waits_forever" in str(failed) and "Python stack" in str(failed)
 
 
+@pytest.mark.slow
 def test_a_failed_or_skipped_exercise_falls_back_to_ddplab(cluster, capsys):
     failure(checks.check_average_gradients, cluster, avg_no_division)
     assert checks.yours_or_ours("average_gradients", avg_no_division,

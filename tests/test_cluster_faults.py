@@ -51,6 +51,7 @@ def test_run_from_two_threads_at_once_gives_each_its_own_answer(cluster):
     assert results["a"] == [[2.0, 2.0]] * 15 and results["b"] == [[200.0, 200.0]] * 15
 
 
+@pytest.mark.slow
 def test_ranks_outlive_the_thread_that_started_or_replaced_them():
     box = {}
     t = threading.Thread(target=lambda: box.setdefault("c", ddplab.Cluster(2, timeout=20)))
@@ -83,6 +84,7 @@ def test_ranks_outlive_the_thread_that_started_or_replaced_them():
         c.shutdown()
 
 
+@pytest.mark.slow
 def test_shutdown_while_another_thread_runs_a_job_starts_nothing_new():
     before = rank_children()
     c = ddplab.Cluster(2, timeout=20)
@@ -107,6 +109,7 @@ def test_shutdown_while_another_thread_runs_a_job_starts_nothing_new():
     assert rank_children() <= before  # nothing started after shutdown
 
 
+@pytest.mark.slow
 def test_a_rank_that_died_while_idle_is_replaced_before_the_next_job(cluster, capsys):
     dead = cluster.pids[1]
     os.kill(dead, signal.SIGKILL)
@@ -119,6 +122,7 @@ def test_a_rank_that_died_while_idle_is_replaced_before_the_next_job(cluster, ca
     assert dead not in cluster.pids
 
 
+@pytest.mark.slow
 def test_ensure_ready_replaces_a_dead_rank_before_any_job(cluster, capsys):
     old = cluster.pids
     os.kill(old[0], signal.SIGKILL)
@@ -130,6 +134,7 @@ def test_ensure_ready_replaces_a_dead_rank_before_any_job(cluster, capsys):
 
 
 # -- 2. endless output --------------------------------------------------------------
+@pytest.mark.slow
 def test_endless_printing_still_stops_at_job_timeout(cluster, capsys, monkeypatch):
     from ddplab.cluster import lifecycle
 
@@ -156,6 +161,7 @@ def test_endless_printing_still_stops_at_job_timeout(cluster, capsys, monkeypatc
     assert cluster.run(_reduce, 1) == [2.0, 2.0]
 
 
+@pytest.mark.slow
 def test_a_large_print_shows_its_head_and_tail_and_what_was_dropped(cluster, capsys):
     def chatty():
         for i in range(200_000):
@@ -183,6 +189,7 @@ def _output_threads() -> int:
     return sum(t.name.startswith("ddplab-output") for t in threading.enumerate())
 
 
+@pytest.mark.slow
 def test_children_of_a_job_die_at_replacement_and_at_a_fast_shutdown():
     pumps = _output_threads()
     c = ddplab.Cluster(2, timeout=20)
@@ -203,6 +210,7 @@ def test_children_of_a_job_die_at_replacement_and_at_a_fast_shutdown():
     assert _output_threads() == pumps  # no generation's output thread outlives it
 
 
+@pytest.mark.slow
 def test_a_process_that_leaves_the_session_on_purpose_escapes(cluster):
     # The documented limit: start_new_session (setsid) leaves the rank's process group.
     pid = cluster.run(_start_sleeper, 1000, start_new_session=True)[0]
@@ -227,6 +235,7 @@ def _fail_out_of_step():
     raise ValueError(f"backward failed on rank {dist.get_rank()}")
 
 
+@pytest.mark.slow
 def test_ranks_whose_collectives_no_longer_line_up_are_replaced(cluster):
     old = cluster.pids
     with pytest.raises(ddplab.RankError) as info:
@@ -260,6 +269,7 @@ def _mismatched():
         dist.broadcast(t, 0)
 
 
+@pytest.mark.slow
 def test_a_mismatched_collective_is_a_timeout_and_its_closed_connections_are_replaced():
     with ddplab.Cluster(2, timeout=3) as c:
         old = c.pids
@@ -270,6 +280,7 @@ def test_a_mismatched_collective_is_a_timeout_and_its_closed_connections_are_rep
 
 
 # -- 6. headlines name the root cause ----------------------------------------------------------
+@pytest.mark.slow
 def test_a_segfault_is_the_headline_not_the_peers_knock_on_error(cluster):
     def segfault_on_1():
         import torch.distributed as dist
@@ -300,6 +311,7 @@ def test_a_return_value_that_cannot_be_pickled_says_so(cluster):
     assert cluster.pids == old  # the job itself ran fine: the ranks are kept
 
 
+@pytest.mark.slow
 def test_a_failed_replacement_does_not_hide_the_learners_error(cluster, monkeypatch):
     from ddplab.cluster import lifecycle
 
@@ -326,6 +338,7 @@ def test_a_failed_replacement_does_not_hide_the_learners_error(cluster, monkeypa
 
 
 # -- 7. garbage collection and the --ranks filter ----------------------------------------------
+@pytest.mark.slow
 def test_garbage_collection_kills_ranks_without_a_slow_shutdown(capsys):
     c = ddplab.Cluster(2, timeout=20)
     pids = c.pids
@@ -338,6 +351,7 @@ def test_garbage_collection_kills_ranks_without_a_slow_shutdown(capsys):
     assert capsys.readouterr().out == ""
 
 
+@pytest.mark.slow
 def test_the_ranks_filter_of_one_job_does_not_hide_later_messages(capsys):
     def late_print_on_1():
         import threading

@@ -87,6 +87,7 @@ def plain(nb, i) -> list[str]:
     return [o.data["text/plain"] for o in outputs(nb, i, "display_data")]
 
 
+@pytest.mark.slow
 def test_each_ranks_last_value_is_shown_rank_0_first(run):
     nb, _ = run
     (out,) = outputs(nb, 2)
@@ -96,16 +97,19 @@ def test_each_ranks_last_value_is_shown_rank_0_first(run):
     assert html.index("rank 0") < html.index("rank 1") and html.count("<details open") == 2
 
 
+@pytest.mark.slow
 def test_a_value_every_rank_agrees_on_is_shown_once(run):
     nb, _ = run
     assert plain(nb, 3) == ["[all ranks] 42"]
 
 
+@pytest.mark.slow
 def test_a_trailing_semicolon_suppresses_the_value(run):
     nb, _ = run
     assert outputs(nb, 4) == []
 
 
+@pytest.mark.slow
 def test_a_value_that_cannot_be_pickled_comes_back_as_its_repr(run):
     nb, _ = run
     with pytest.raises(TypeError):
@@ -115,6 +119,7 @@ def test_a_value_that_cannot_be_pickled_comes_back_as_its_repr(run):
         text.count("_thread.lock object") == 2 and "[rank 1]" in text)
 
 
+@pytest.mark.slow
 def test_an_error_in_the_last_expression_shows_the_cells_line(run):
     nb, _ = run
     (err,) = outputs(nb, 6, "error")
@@ -124,6 +129,7 @@ def test_an_error_in_the_last_expression_shows_the_cells_line(run):
     assert "ddpcell.py" not in text and "run_cell" not in text  # the rank-side helper is hidden
 
 
+@pytest.mark.slow
 def test_tqdm_is_one_line_per_rank_updated_in_place(run):
     nb, messages = run
     saved = sorted(plain(nb, 7))  # in the order the ranks' bars first appeared
@@ -140,6 +146,7 @@ def test_tqdm_is_one_line_per_rank_updated_in_place(run):
     assert all(updates[d] >= 3 for d in ids), updates  # it moved while the loop ran
 
 
+@pytest.mark.slow
 def test_a_plotly_figure_and_html_made_on_ranks_appear_labelled(run):
     nb, _ = run
     outs = outputs(nb, 8)
@@ -158,6 +165,7 @@ def test_a_plotly_figure_and_html_made_on_ranks_appear_labelled(run):
     assert "[rank 0] after 0" in streams and "[rank 1] after 1" in streams
 
 
+@pytest.mark.slow
 def test_ddp_status_shows_each_rank(run):
     nb, _ = run
     pids = nb.cells[1].outputs[0].text.split("pids ", 1)[1].split("]", 1)[0].strip("[").split(", ")
@@ -177,6 +185,7 @@ def _seconds(messages) -> float:
     return (max(stamps) - min(stamps)).total_seconds()
 
 
+@pytest.mark.slow
 def test_a_collective_on_some_ranks_fails_at_once_and_keeps_the_ranks(run):
     nb, messages = run
     (err,) = outputs(nb, 10, "error")
@@ -216,6 +225,7 @@ def test_a_progress_line_shows_what_a_terminal_shows():
     assert progress.visible("plain") == "plain"
 
 
+@pytest.mark.slow
 def test_cluster_status_sees_a_running_job_from_another_thread():
     with ddplab.Cluster(2, timeout=30) as cluster:
         done = threading.Event()
@@ -239,6 +249,7 @@ def test_cluster_status_sees_a_running_job_from_another_thread():
     assert "shut down" in repr(cluster.status())
 
 
+@pytest.mark.slow
 def test_run_job_on_some_ranks_returns_none_for_the_others():
     with ddplab.Cluster(2, timeout=30) as cluster:
         assert cluster.run_job(lambda: "here", ranks=[1]) == [None, "here"]
@@ -246,6 +257,7 @@ def test_run_job_on_some_ranks_returns_none_for_the_others():
             cluster.run_job(lambda: 1, ranks=[2])
 
 
+@pytest.mark.slow
 def test_tab_and_inspect_in_a_ddp_cell_ask_rank_0_and_put_nothing_in_the_kernel():
     from _kernel import execute, running_kernel
 
@@ -321,6 +333,7 @@ def test_many_ranks_fold_behind_rank_0_and_agreeing_figures_show_once(monkeypatc
     assert [d.get("text/plain") for d in shown] == ["[all ranks]", "Figure"]
 
 
+@pytest.mark.slow
 def test_a_ddp_forward_on_some_ranks_is_refused_unless_no_backward_can_follow(run):
     nb, messages = run
     (err,) = outputs(nb, 14, "error")

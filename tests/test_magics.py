@@ -88,6 +88,7 @@ def error(nb, i: int):
     return next(o for o in nb.cells[i].outputs if o.output_type == "error")
 
 
+@pytest.mark.slow
 def test_start_on_a_running_cluster_says_so_and_keeps_it(notebook):
     nb, _ = notebook
     first, again = stdout(nb, 1), stdout(nb, 2)
@@ -96,6 +97,7 @@ def test_start_on_a_running_cluster_says_so_and_keeps_it(notebook):
     assert "already running" in again and pids in again
 
 
+@pytest.mark.slow
 def test_state_persists_across_cells(notebook):
     nb, _ = notebook
     assert by_rank(stdout(nb, 3)) == {r: [f"rank {r} of 2 local {r} on cpu"] for r in (0, 1)}
@@ -103,6 +105,7 @@ def test_state_persists_across_cells(notebook):
     assert by_rank(stdout(nb, 11)) == {r: ["kept [0.75, 0.75, 0.75]"] for r in (0, 1)}
 
 
+@pytest.mark.slow
 def test_push_pull_round_trip(notebook):
     nb, _ = notebook
     assert by_rank(stdout(nb, 6)) == {r: ["pushed 1.0 15.0 500.0", "scaled [0.75, 0.75, 0.75]"]
@@ -110,12 +113,14 @@ def test_push_pull_round_trip(notebook):
     assert "pulled [[0.75, 0.75, 0.75], [0.75, 0.75, 0.75]]" in stdout(nb, 7)  # asserts ran there too
 
 
+@pytest.mark.slow
 def test_ranks_option_filters_output_but_every_rank_runs(notebook):
     nb, _ = notebook
     assert by_rank(stdout(nb, 9)) == {0: ["shown for rank 0"]}
     assert "seen [0, 1]" in stdout(nb, 12)
 
 
+@pytest.mark.slow
 def test_an_error_shows_the_cells_own_line(notebook):
     nb, _ = notebook
     err = error(nb, 10)
@@ -127,6 +132,7 @@ def test_an_error_shows_the_cells_own_line(notebook):
     assert "magics.py" not in text  # the kernel's own frames are not shown
 
 
+@pytest.mark.slow
 def test_replaced_ranks_start_a_fresh_namespace_and_recording(notebook):
     nb, workdir = notebook
     err = error(nb, 13)
@@ -137,12 +143,14 @@ def test_replaced_ranks_start_a_fresh_namespace_and_recording(notebook):
     assert "No cluster is running." in stdout(nb, 18)
 
 
+@pytest.mark.slow
 def test_a_syntax_error_is_caught_in_the_kernel(notebook):
     nb, _ = notebook
     text = "".join(o.get("text", "") for o in nb.cells[16].outputs)
     assert "not sent to the ranks" in text and "line 3" in text and "SyntaxError" in text
 
 
+@pytest.mark.slow
 def test_export_runs_under_torchrun_with_the_notebooks_output(notebook):
     nb, workdir = notebook
     script = (workdir / "exported.py").read_text()
