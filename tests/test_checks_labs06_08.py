@@ -121,11 +121,13 @@ def test_agreed_steps_mistakes_are_named(cluster, fn, named):
     assert uneven.passed["agreed_steps"] is False
 
 
+@pytest.mark.slow
 def test_agreed_steps_collective_on_one_rank_is_a_hang_and_the_cluster_recovers(cluster):
     assert mistake(uneven.check_agreed_steps, cluster, steps_only_rank0) == M.HUNG
     assert cluster.run(steps_min, 3) == [3, 3]
 
 
+@pytest.mark.slow
 def test_uneven_loop_hangs_and_join_does_not(cluster):
     counts = uneven.counts_for(2)[0]
     with pytest.raises(ddplab.CollectiveTimeout):
@@ -273,7 +275,8 @@ def test_pipeline_solutions_pass(cluster, fn):
 
 
 @pytest.mark.parametrize("fn,named", [
-    (pipe_no_requires_grad, PC.NO_REQUIRES_GRAD), (pipe_detached_input, PC.NO_REQUIRES_GRAD),
+    pytest.param(pipe_no_requires_grad, PC.NO_REQUIRES_GRAD, marks=pytest.mark.slow),
+    pytest.param(pipe_detached_input, PC.NO_REQUIRES_GRAD, marks=pytest.mark.slow),
     (pipe_no_backward0, PC.NO_STAGE0_BACKWARD), (pipe_grads_cleared0, PC.NO_STAGE0_BACKWARD),
     (pipe_own_loss0, PC.WRONG_GRADIENTS), (pipe_doubled_grad, PC.WRONG_GRADIENTS),
     (pipe_sent_twice, PC.WRONG_BYTES), (pipe_grad_in_float32, PC.WRONG_BYTES),
@@ -284,6 +287,7 @@ def test_pipeline_mistakes_are_named(cluster, fn, named):
     assert PC.passed["pipeline"] is False
 
 
+@pytest.mark.slow
 def test_pipeline_recv_without_send_is_a_hang(cluster):
     assert mistake(PC.check_pipeline_step, cluster, pipe_never_sends_back, timeout=2.0) == M.HUNG
     assert cluster.run(steps_min, 2) == [2, 2]
