@@ -110,6 +110,7 @@ def test_output_streams_while_the_job_runs(cluster2, monkeypatch):
         assert f"[rank {r}] to stderr" in err.text()
 
 
+@pytest.mark.slow
 def test_one_rank_raising_breaks_off_the_others_quickly(cluster2):
     def fail_on_rank_1():
         import torch.distributed as dist
@@ -147,6 +148,7 @@ def test_every_rank_raising_keeps_the_ranks(cluster2):
     assert cluster2.run(lambda: "fine") == ["fine", "fine"]
 
 
+@pytest.mark.slow
 def test_hung_collective_times_out_and_ranks_are_replaced():
     def skip_on_rank_1():
         import torch.distributed as dist
@@ -169,6 +171,7 @@ def test_hung_collective_times_out_and_ranks_are_replaced():
         assert c.run(_rank_and_sum, 0)[1][2].item() == 1.0
 
 
+@pytest.mark.slow
 def test_job_timeout_stops_a_long_job(cluster2):
     def long_nap():
         time.sleep(60)
@@ -181,6 +184,7 @@ def test_job_timeout_stops_a_long_job(cluster2):
     assert cluster2.run(lambda: 1) == [1, 1]
 
 
+@pytest.mark.slow
 def test_a_rank_that_dies_is_reported_and_replaced(cluster2):
     def die():
         import torch.distributed as dist
@@ -195,6 +199,7 @@ def test_a_rank_that_dies_is_reported_and_replaced(cluster2):
     assert cluster2.run(lambda: 2) == [2, 2]
 
 
+@pytest.mark.slow
 def test_two_clusters_at_once():
     with ddplab.Cluster(2) as a, ddplab.Cluster(2) as b:
         assert a._gens.rendezvous.dir != b._gens.rendezvous.dir
@@ -213,6 +218,7 @@ def test_two_clusters_at_once():
         assert [t.item() for _, _, t in results["b"]] == [201.0, 201.0]
 
 
+@pytest.mark.slow
 def test_shutdown_leaves_no_processes_and_no_aborts():
     # gloo can abort a rank during interpreter teardown (docs/pitfalls.md); ranks
     # here leave through os._exit after a clean destroy, so every exit is 0.
@@ -235,6 +241,7 @@ def test_shutdown_leaves_no_processes_and_no_aborts():
         c.run(lambda: 1)
 
 
+@pytest.mark.slow
 def test_launch_is_one_shot():
     assert [r for r, _, _ in ddplab.launch(_rank_and_sum, 1, world_size=3)] == [0, 1, 2]
 

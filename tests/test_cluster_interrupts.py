@@ -76,6 +76,7 @@ def _long():
         time.sleep(0.01)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("points", [("start:waiting",), ("start:spawned",)])
 def test_interrupt_while_the_cluster_starts_leaks_no_rank(interrupt_at, points):
     before = rank_children()
@@ -86,6 +87,7 @@ def test_interrupt_while_the_cluster_starts_leaks_no_rank(interrupt_at, points):
     assert wait_rank_children(before, timeout=60) == before
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("points", [
     ("run:sent",),                                     # rank 0 has the job, rank 1 not yet
     ("run:collecting",),                               # while the job runs
@@ -109,6 +111,7 @@ def test_interrupts_anywhere_in_a_job_leave_a_usable_cluster(cluster, interrupt_
     assert wait_rank_children(before | set(c.pids), timeout=60) == before | set(c.pids), "a rank leaked"
 
 
+@pytest.mark.slow
 def test_after_every_interrupt_shutdown_leaves_nothing(cluster):
     c, before = cluster
     c.shutdown()

@@ -6,6 +6,8 @@ import signal
 import threading
 import time
 
+import pytest
+
 from _kernel import execute, running_kernel
 from test_cluster import gone
 
@@ -17,6 +19,7 @@ def pids_of(out: dict) -> list[int]:
     return [int(x) for x in line.split("[", 1)[1].rstrip("]").split(",")]
 
 
+@pytest.mark.slow
 def test_cell_defined_function_and_its_traceback():
     with running_kernel() as (km, kc):
         assert execute(kc, START)["status"] == "ok"
@@ -31,6 +34,7 @@ def test_cell_defined_function_and_its_traceback():
         execute(kc, "c.shutdown()")
 
 
+@pytest.mark.slow
 def test_interrupt_stops_the_job_and_keeps_the_kernel_and_cluster():
     with running_kernel() as (km, kc):
         old = pids_of(execute(kc, START))
@@ -51,6 +55,7 @@ def test_interrupt_stops_the_job_and_keeps_the_kernel_and_cluster():
         execute(kc, "c.shutdown()")
 
 
+@pytest.mark.slow
 def test_killing_the_kernel_leaves_no_rank_behind():
     with running_kernel() as (km, kc):
         pids = pids_of(execute(kc, START))

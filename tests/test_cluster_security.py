@@ -99,6 +99,7 @@ def test_another_user_can_neither_read_nor_rewrite_the_rendezvous(cluster):
     assert cluster.run(lambda: 1) == [1, 1]
 
 
+@pytest.mark.slow
 def test_shutdown_deletes_the_store():
     c = ddplab.Cluster(2, timeout=20)
     store_dir = c._gens.rendezvous.dir

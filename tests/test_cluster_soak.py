@@ -103,6 +103,7 @@ def _check(stage: str, base: dict, c) -> None:
     assert now["rss"] <= base["rss"] + RSS_SLACK_MB, f"{stage}: memory grew {base['rss']:.0f} -> {now['rss']:.0f} MB"
 
 
+@pytest.mark.slow
 def test_a_classroom_day_leaks_nothing(capsys):
     before = rank_children()
     c = ddplab.Cluster(2, timeout=20)

@@ -24,6 +24,7 @@ def every_strategy(session_cluster2):
                    n_params=1e6, bucket_cap_mb=0.5)
 
 
+@pytest.mark.slow
 def test_recorded_stamps_respect_causality(every_strategy):
     for name, tl in every_strategy.timelines.items():
         if name == "none":
@@ -36,6 +37,7 @@ def test_recorded_stamps_respect_causality(every_strategy):
             assert b.comm_end >= b.launch, f"{name}: finished before it was launched"
 
 
+@pytest.mark.slow
 def test_buckets_launch_in_index_order(every_strategy):
     for name in ("bucketed", "ddp"):
         tl = every_strategy.timelines[name]
@@ -46,6 +48,7 @@ def test_buckets_launch_in_index_order(every_strategy):
                 assert launches == sorted(launches), f"{name} rank {rank} iteration {i}"
 
 
+@pytest.mark.slow
 def test_clocks_aligned_within_the_reported_bound(every_strategy):
     clock = every_strategy.meta["clock"]
     assert clock["offsets_s"][0] == 0.0
@@ -58,6 +61,7 @@ def test_clocks_aligned_within_the_reported_bound(every_strategy):
         assert abs(ends[0] - ends[1]) < 0.05
 
 
+@pytest.mark.slow
 def test_every_strategy_keeps_ranks_in_agreement_and_counts_the_same_bytes(every_strategy):
     m = every_strategy.metrics
     assert all(v["ranks_agree"] for v in m.values())
@@ -67,6 +71,7 @@ def test_every_strategy_keeps_ranks_in_agreement_and_counts_the_same_bytes(every
     assert m["manual"]["saved_ms"] == 0.0
 
 
+@pytest.mark.slow
 def test_torch_ddp_early_iterations_are_flagged_and_excluded(every_strategy):
     tl = every_strategy.timelines["ddp"]
     assert "ddp_one_bucket" in tl.iteration(0, 0).flags
@@ -76,6 +81,7 @@ def test_torch_ddp_early_iterations_are_flagged_and_excluded(every_strategy):
     assert tl.meta["bucket_layout"], "DDP's rebuilt layout comes from its logging data"
 
 
+@pytest.mark.slow
 def test_simulated_1gbe_link_matches_the_model_and_bucketing_hides_it(cluster):
     link = LinkModel.preset("1gbe")
     # 4M parameters = 16 MB: ~128 ms on 1 GbE, far longer than the real transfer,
@@ -102,6 +108,7 @@ def test_simulated_1gbe_link_matches_the_model_and_bucketing_hides_it(cluster):
     assert sorted(durations)[len(durations) // 2] == pytest.approx(predicted, rel=0.10)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("link, n_params", [(LinkModel.preset("1gbe"), 2e6),
                                              (LinkModel(0.1, 50.0, "100 Mbit/s"), 5e5)])
 def test_on_a_simulated_link_every_row_pays_the_link_ddp_included(cluster, link, n_params):
@@ -120,6 +127,7 @@ def test_on_a_simulated_link_every_row_pays_the_link_ddp_included(cluster, link,
     assert any("comm hook" in lab for lab in r.timelines["ddp"].meta["labels"])
 
 
+@pytest.mark.slow
 def test_the_default_comparison_shows_several_buckets_and_says_which_cap(cluster):
     r = compare(cluster, "bucketed,ddp", steps=1)
     for name in ("bucketed", "ddp"):
@@ -129,6 +137,7 @@ def test_the_default_comparison_shows_several_buckets_and_says_which_cap(cluster
     assert r.to_json()["labels"]["bucket_cap_note"].startswith("bucket_cap_mb=2")
 
 
+@pytest.mark.slow
 def test_a_straggler_makes_the_fast_rank_wait_and_drops_nothing(cluster):
     r = compare(cluster, "manual,bucketed", steps=3, n_params=5e5, straggler="1:4")
     for name in ("manual", "bucketed"):
@@ -150,6 +159,7 @@ def test_bad_arguments_say_what_to_do(cluster):
         compare(cluster, "bucketed", bucket_cap_mb=-1)
 
 
+@pytest.mark.slow
 def test_command_line_writes_json_trace_and_html(tmp_path):
     out = subprocess.run(
         [sys.executable, "-m", "ddplab", "compare", "--world-size", "2", "--strategies",
@@ -179,6 +189,7 @@ def _layout(v, key=None):
     return {int: "number", float: "number", str: "string", list: "list", type(None): "null"}[type(v)]
 
 
+@pytest.mark.slow
 def test_the_json_layout_is_the_one_design_md_documents(cluster):
     golden = json.loads((Path(__file__).parent / "golden" / "compare_layout.json").read_text())["layout"]
     r = compare(cluster, "none,manual,bucketed,ddp", steps=1, n_params=2e5, link="10gbe",
@@ -196,6 +207,7 @@ def test_the_json_layout_is_the_one_design_md_documents(cluster):
         assert row == expected, name
 
 
+@pytest.mark.slow
 def test_simulated_links_leave_no_threads_behind(cluster):
     import threading
 
@@ -207,6 +219,7 @@ def test_simulated_links_leave_no_threads_behind(cluster):
     assert cluster.run(link_threads) == [0, 0]
 
 
+@pytest.mark.slow
 def test_the_rank_side_runs_under_torchrun_without_waiting_for_a_cluster(tmp_path):
     # Before: the ranks waited up to 120 s for a Cluster worker's start-up event,
     # which never fires in a process torchrun started.

@@ -1,5 +1,6 @@
 """make handouts: a notebook executed on a real kernel becomes a static page that keeps its figure."""
 import nbformat
+import pytest
 
 from ddplab.course import handouts
 
@@ -10,6 +11,7 @@ def _notebook(path, *cells):
     return path
 
 
+@pytest.mark.slow
 def test_a_handout_keeps_its_plotly_figure_and_a_failing_notebook_is_named(tmp_path, capsys):
     good = _notebook(tmp_path / "good.ipynb",
                      "import plotly.graph_objects as go\n"
