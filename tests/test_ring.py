@@ -98,6 +98,7 @@ def test_correct_rings_pass(cluster, fn):
     assert len(per_rank) == 3 and all(len(r) == 2 for r in per_rank)
 
 
+@pytest.mark.slow
 def test_the_check_needs_three_ranks_and_lengths_that_do_not_divide(cluster):
     with ddplab.Cluster(world_size=2) as two:
         with pytest.raises(ValueError, match="at least 3 ranks"):
@@ -276,6 +277,7 @@ def test_planted_mistakes_are_named(cluster, fn, name):
     assert cluster.run(lambda: dist.get_world_size()) == [3, 3, 3]
 
 
+@pytest.mark.slow
 def test_two_nodes_with_torchrun_on_this_machine():
     out = firstgroup.two_nodes(nproc_per_node=2)
     seen = {r: firstgroup.parse_vars(lines[0]) for r, lines in out["ranks"].items()}

@@ -5,6 +5,7 @@ import ddplab
 from ddplab.measure.sweep import bucket_sweep, scaling
 
 
+@pytest.mark.slow
 def test_bucket_sweep_measures_and_predicts_on_a_simulated_link():
     with ddplab.Cluster(2) as c:
         s = bucket_sweep(c, caps_mb=(0.5, 64), link="10gbe", steps=2, n_params=1e6, depth=6)
