@@ -8,7 +8,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.ddplab-installed
 
-.PHONY: lab test test-fast test-unit test-labs test-browser check test-labs-more test-labs-ws1 \
+.PHONY: lab test test-fast test-unit test-labs test-browser check test-unit-more test-labs-more test-labs-ws1 \
 	test-gpu handouts exercises bench clean
 
 $(STAMP): pyproject.toml constraints.txt
@@ -35,6 +35,9 @@ $(PYTEST) $(1); rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "make $@: pytest collected no tests (exit 5): check its paths and -m" >&2; fi; exit $$rc
 endef
 UNIT = tests --ignore-glob='tests/test_browser*.py'
+# Unit test files make test leaves to make check: stress tests of the ranks' life cycle (an
+# Interrupt at every point, a killed kernel, a classroom day of jobs) that change rarely.
+UNIT_MORE = tests/test_cluster_interrupts.py tests/test_cluster_kernel.py tests/test_cluster_soak.py
 NBVAL = --nbval-lax --nbval-current-env --nbval-sanitize-with labs/nbval-sanitize.cfg
 LABS = $(sort $(wildcard labs/*.ipynb))
 # The labs make test runs (<= 3 min together); the others run in make check.
@@ -49,7 +52,7 @@ test-fast: $(STAMP)
 	$(call pytest_or_say_empty,-q -m "not slow" $(UNIT))
 
 test-unit: $(STAMP)
-	$(call pytest_or_say_empty,-q $(UNIT))
+	$(call pytest_or_say_empty,-q $(UNIT) $(addprefix --ignore=,$(UNIT_MORE)))
 
 test-labs: $(STAMP)
 	$(call pytest_or_say_empty,-q $(NBVAL) $(LABS_QUICK))
@@ -60,10 +63,14 @@ test-browser: $(STAMP)
 # make check: make test, then CHECK_MORE in this order. Whatever is too long for make test
 # goes into CHECK_MORE (add a target's name to the list: the classroom hub test, the full
 # grader mutation catalogue, ...); make check stays <= 45 min on a 2-core machine.
-CHECK_MORE = test-labs-more test-labs-ws1 handouts
+CHECK_MORE = test-unit-more test-labs-more test-labs-ws1 handouts
 check: $(STAMP)
 	$(MAKE) test
 	$(MAKE) $(CHECK_MORE)
+
+# The unit tests make test leaves out.
+test-unit-more: $(STAMP)
+	$(call pytest_or_say_empty,-q $(UNIT_MORE))
 
 # The labs make test leaves out.
 test-labs-more: $(STAMP)

@@ -70,6 +70,14 @@ def test_every_lab_runs_in_make_test_or_make_check():
     assert quick and quick | more == labs and not quick & more
 
 
+def test_every_unit_test_file_runs_in_make_test_or_make_check():
+    files = {p.name for p in (ROOT / "tests").glob("test_*.py") if not p.name.startswith("test_browser")}
+    unit, more = _make_dry_run("test-unit"), _make_dry_run("test-unit-more")
+    left_out = set(re.findall(r"--ignore=tests/(test_\w+\.py)", unit))
+    in_more = set(re.findall(r"tests/(test_\w+\.py)", more))
+    assert left_out == in_more and in_more < files
+
+
 def test_make_test_fast_leaves_out_the_slow_tests_only():
     plan = _make_dry_run("test-fast")
     assert '-m "not slow"' in plan and "tests " in plan
