@@ -29,6 +29,7 @@ def test_prediction_launches_in_index_order_and_queues_on_the_link():
     assert p["step_s"] == pytest.approx(0.115)
 
 
+@pytest.mark.slow
 def test_fit_to_real_gloo_allreduces_is_a_line():
     # 64 KiB .. 16 MiB: the size term dwarfs scheduling noise on a busy machine
     sizes = (2**16, 2**20, 2**22, 2**24)

@@ -15,6 +15,7 @@ from ddplab.course import exercises
 LABS = exercises.LABS
 
 
+@pytest.mark.slow
 def test_every_exercise_is_byte_for_byte_what_nbgrader_generates_from_its_lab():
     assert exercises.out_of_step() == [], "run: python -m ddplab.course.exercises"
     assert len(exercises.pairs()) >= 4
