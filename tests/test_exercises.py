@@ -109,6 +109,7 @@ def test_stubbing_keeps_the_indentation_and_what_is_outside_the_markers(tmp_path
         exercises.write_all(labs)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_untouched_exercises_fail_their_graders_with_not_implemented_yet():
     with running_kernel() as (km, kc):

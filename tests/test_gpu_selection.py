@@ -160,6 +160,7 @@ def test_make_test_gpu_refuses_gradients_left_on_the_cpu_of_an_nccl_rank(monkeyp
     comm._check_device(torch.ones(3), None, "grad")  # gloo ranks reduce CPU gradients
 
 
+@pytest.mark.slow
 def test_strict_device_check_leaves_gloo_ranks_training():
     import ddplab
 
