@@ -17,6 +17,7 @@ def test_bucket_sweep_measures_and_predicts_on_a_simulated_link():
         assert row["step_ms"] > 0 and row["exposed_comm_ms"] >= 0
 
 
+@pytest.mark.slow
 def test_scaling_rows_and_efficiencies():
     sc = scaling((1, 2), steps=2, n_params=2e5, global_batch=16)
     rows = sc["rows"]
