@@ -2,20 +2,16 @@
 correct answers written several ways pass, each planted slip is named; gloo's blocking send
 waits for its receiver. Budget: ~40 s (3 ranks for lab 00, 2 for lab 09).
 """
-import sys
 
-import cloudpickle
 import pytest
 import torch
 import torch.distributed as dist
 
-import ddplab
 from ddplab.checks import CheckFailed, check_pass_right
 from ddplab.checks import firstgroup as W
 from ddplab.checks import reducer_map as B
 from ddplab.lessons import ring
 
-cloudpickle.register_pickle_by_value(sys.modules[__name__])
 pytestmark = pytest.mark.timeout(300)
 
 
@@ -60,9 +56,9 @@ def test_every_slip_changes_the_layout_of_some_case():
 
 
 @pytest.fixture(scope="module")
-def live_buckets():
-    with ddplab.Cluster(world_size=2) as c:
-        yield c.run(B.rebuilt_buckets_on_rank, B.CASES)[0]
+def live_buckets(session_cluster2):
+    session_cluster2.ensure_ready()
+    return session_cluster2.run(B.rebuilt_buckets_on_rank, B.CASES)[0]
 
 
 @pytest.mark.slow
@@ -151,10 +147,9 @@ def returns_nothing(t):
     pass_isend_first(t)
 
 
-@pytest.fixture(scope="module")
-def three():
-    with ddplab.Cluster(world_size=3) as c:
-        yield c
+@pytest.fixture
+def three(cluster3):
+    return cluster3  # shared for the session (conftest.py)
 
 
 @pytest.mark.slow

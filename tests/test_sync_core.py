@@ -20,12 +20,6 @@ from ddplab.sync import core
 import _sync_helpers as H
 
 
-@pytest.fixture(scope="module")
-def cluster2():
-    with ddplab.Cluster(world_size=2) as c:
-        yield c
-
-
 @pytest.mark.parametrize("wrapper, option, full", [
     (core.BucketedDDP, "find_unused_parameters", "ddplab.BucketedDDP"),
     (core.BucketedDDP, "bucket_cap_mb_list", "ddplab.BucketedDDP"),

@@ -149,12 +149,6 @@ def _layouts_on_rank(ddp_kw, backwards=False, mixed=False):
             "full_bytes": _bucket_sizes(wrappers["full"].bucket_layout)}
 
 
-@pytest.fixture(scope="module")
-def cluster2():
-    with ddplab.Cluster(world_size=2) as c:
-        yield c
-
-
 def _indices(text):
     return [[int(i) for i in b.split()] for b in text.split(",")]
 

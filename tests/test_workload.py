@@ -10,7 +10,6 @@ import textwrap
 import pytest
 import torch
 
-import ddplab
 from ddplab.measure import workload
 from ddplab.measure.compare import compare
 from ddplab.measure.spec import RunSpec
@@ -41,10 +40,9 @@ def cell():
     return ns["make_model"], ns["make_batch"], ns["mse"]
 
 
-@pytest.fixture(scope="module")
-def cluster():
-    with ddplab.Cluster(2) as c:
-        yield c
+@pytest.fixture
+def cluster(cluster2):
+    return cluster2  # shared for the session (conftest.py)
 
 
 def _params(model_fn):
