@@ -37,7 +37,18 @@ OBSERVED = {"gloo": "ddplab_gloo", "nccl": "ddplab_nccl"}
 
 def group_string(backend: str) -> str:
     """What ``init_process_group`` is given for a Cluster or torchrun backend name: the
-    observing group (observed.py) around gloo, or around gloo and NCCL."""
+    observing group (observed.py) around gloo, or around gloo and NCCL.
+
+    Under ``TORCH_DISTRIBUTED_DEBUG=DETAIL`` the ranks join the plain groups instead:
+    torch checks collectives for mismatches by wrapping its own C++ groups
+    (``_create_process_group_wrapper`` in torch/distributed/distributed_c10d.py) and
+    leaves a Python group unwrapped, so DETAIL would name nothing. Such a Cluster is
+    not observed: graders and recordings need one without DETAIL.
+    """
+    import os
+
+    if os.environ.get("TORCH_DISTRIBUTED_DEBUG", "").upper() == "DETAIL":
+        return "cpu:gloo,cuda:nccl" if backend == "nccl" else backend
     return OBSERVED.get(backend, backend)
 
 
