@@ -6,7 +6,8 @@ Teaches, one function per question:
 - ``loss_and_grads``: is the loss synchronized? (no: each rank's loss is its
   own; the GRADIENTS are what DDP makes equal)
 - ``sync_order``: when exactly is the sync? (during backward, and finished
-  before ``loss.backward()`` returns; ``optimizer.step()`` waits for nothing)
+  before ``loss.backward()`` returns; ``optimizer.step()`` waits for nothing;
+  on NCCL the host sees only when each all-reduce was "enqueued")
 - ``traffic_by_batch_size``: does the batch size change the traffic? (no:
   every step all-reduces one gradient per parameter)
 - ``no_sync_traffic``: what does ``no_sync`` save, and is the result the same?
@@ -138,7 +139,8 @@ def sync_order_on_rank(strategy="bucketed", bucket_cap_mb=0.001):
     opt.step()
     marks["step_end"] = comm.now()
     events = [(name, t) for name, t in marks.items()]
-    for name in ("launch", "done", "wait_start", "wait_end"):
+    # "enqueued" instead of "done" on NCCL: a host stamp there is when the GPU was asked
+    for name in ("launch", "done", "enqueued", "wait_start", "wait_end"):
         times = [t for t, info in rec.of(name) if info.get("kind", "grad") == "grad"]
         if times:
             events += [(f"first {name}", min(times)), (f"last {name}", max(times))]

@@ -1,0 +1,158 @@
+"""GPU paths that cannot run here, run against fakes of what a GPU machine does.
+
+No GPU is needed: an NCCL rank is faked by telling ddplab's strict device check
+that the group's gradients go through nccl (``make test-gpu`` sets
+DDPLAB_REQUIRE_DEVICE_GRADS=1, which then refuses CPU gradient tensors).
+"""
+import pytest
+
+import ddplab
+
+
+def _as_nccl_rank():
+    """On this rank, make the strict check believe gradients travel over NCCL."""
+    from ddplab.cluster import backend
+    from ddplab.sync import comm
+
+    assert comm._REQUIRE_DEVICE_GRADS
+    backend.backend_name = lambda group=None: "nccl"
+
+
+def _cpu_models_made_on_purpose():
+    import torch
+
+    from ddplab.checks import workload
+    from ddplab.lessons import hangs, pipeline
+    from ddplab.sync import comm
+
+    _as_nccl_rank()
+    with pytest.raises(RuntimeError, match="stayed on the CPU"):  # the check itself still bites
+        comm.all_reduce(torch.ones(2))
+    out = {"grader": len(workload.references(2)["torch_ddp"]),
+           "traffic": pipeline.ddp_traffic_on_rank(4, steps=1)["calls"],
+           "straggler": hangs.straggler_no_sync_on_rank(True, micro_batches=2, delay_s=0.001,
+                                                        steps=1, n_params=2e3)["step_ms"] > 0}
+    return out
+
+
+@pytest.mark.slow
+def test_cpu_models_built_on_purpose_pass_the_strict_device_check_of_an_nccl_rank():
+    # torch DDP runs its comm hook even at world size 1, so a 1-GPU machine meets these:
+    # the graders' float64 torch-DDP reference, lab 08's traffic count, lab 06's straggler.
+    with ddplab.Cluster(1, env={"DDPLAB_REQUIRE_DEVICE_GRADS": "1"}) as c:
+        (out,) = c.run(_cpu_models_made_on_purpose)
+    assert out == {"grader": 2, "traffic": 1, "straggler": True}
+
+
+def _gpu_marks(node) -> list[int]:
+    """GPUs asked for by ``pytest.mark.gpu`` / ``gpu(N)`` decorators on ``node`` (a def)."""
+    import ast
+
+    need = []
+    for dec in node.decorator_list:
+        call = dec if isinstance(dec, ast.Call) else None
+        target = call.func if call else dec
+        if isinstance(target, ast.Attribute) and target.attr == "gpu":
+            args = call.args if call else []
+            need.append(args[0].value if args and isinstance(args[0], ast.Constant) else 1)
+    return need
+
+
+def test_every_gpu_test_asks_for_as_many_gpus_as_ranks_it_launches():
+    # A test marked for one GPU that starts 2 NCCL ranks fails on every 1-GPU machine
+    # (NCCL refuses two ranks on one GPU), so make test-gpu could never pass there.
+    import ast
+    import pathlib
+    import re
+
+    wrong = []
+    for path in sorted(pathlib.Path(__file__).parent.glob("test_*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.FunctionDef) or not _gpu_marks(node):
+                continue
+            launched = [int(m) for c in ast.walk(node) if isinstance(c, ast.Constant)
+                        and isinstance(c.value, str)
+                        for m in re.findall(r"--nproc[-_]per[-_]node[= ](\d+)", c.value)]
+            if launched and max(launched) > min(_gpu_marks(node)):
+                wrong.append(f"{path.name}::{node.name} launches {max(launched)} per node, "
+                             f"marked gpu({min(_gpu_marks(node))})")
+    assert not wrong, wrong
+
+
+class _QueuedWork:
+    """What NCCL hands back for a device tensor: its future is complete once the collective
+    is queued on the GPU (torch's CUDA futures), long before the transfer has run."""
+
+    def __init__(self):
+        import torch
+
+        self.future = torch.futures.Future()
+        self.future.set_result([None])
+
+    def get_future(self):
+        return self.future
+
+    def wait(self, timeout=None):
+        return True
+
+
+def test_a_device_tensors_host_completion_stamp_is_called_enqueued_not_done(monkeypatch):
+    import torch
+    import torch.distributed as dist
+
+    from ddplab.sync import comm
+
+    monkeypatch.setattr(dist, "all_reduce", lambda t, op=None, group=None, async_op=False: _QueuedWork())
+    rec = comm.ListRecorder()
+    comm.all_reduce(torch.empty(4, device="meta"), bucket=0, recorder=rec)  # a device tensor
+    comm.all_reduce(torch.empty(4), bucket=1, recorder=rec)  # a CPU tensor (gloo): a real end
+    stamps = [(e, info["bucket"]) for e, _, info in rec.events if e in ("done", "enqueued")]
+    assert stamps == [("enqueued", 0), ("done", 1)]
+
+
+def _sparse_on_a_group_that_refuses_sparse():
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+
+    import ddplab
+    from ddplab.cluster import backend
+    from ddplab.sync import comm
+
+    backend.backend_name = lambda group=None: "nccl"
+    real = dist.all_reduce
+
+    def nccl_like(tensor, *args, **kwargs):  # the error ProcessGroupNCCL raises
+        if tensor.is_sparse:
+            raise RuntimeError("NCCL does not support all_reduce with sparse tensors. "
+                               "Please use dense tensors instead.")
+        return real(tensor, *args, **kwargs)
+
+    dist.all_reduce = nccl_like
+    rank = dist.get_rank()
+    rows = torch.tensor([[rank, 3, 3 + rank]])  # row 3 on both ranks, twice on rank 0
+    t = torch.sparse_coo_tensor(rows, torch.tensor([1.0, 2.0, 4.0]) * (rank + 1), (6,))
+    comm.all_reduce(t)
+    out = {"sum": t.to_dense().tolist()}
+    for wrap in ("bucketed", "manual"):
+        torch.manual_seed(0)
+        emb = nn.Embedding(6, 2, sparse=True)
+        model = ddplab.BucketedDDP(emb) if wrap == "bucketed" else emb
+        x = torch.tensor([rank, 4]) if rank == 0 else torch.tensor([1, 1, 5])
+        model(x).pow(2).sum().backward()
+        if wrap == "manual":
+            ddplab.average_gradients(emb)
+        want = torch.zeros(6, 2)
+        want.index_add_(0, x, 2 * emb.weight.detach()[x])  # this rank's dense gradient
+        real(want)
+        out[wrap] = torch.allclose(emb.weight.grad.to_dense(), want / 2)
+    return out
+
+
+@pytest.mark.slow
+def test_sparse_gradients_are_reduced_on_a_group_that_has_no_sparse_all_reduce():
+    with ddplab.Cluster(2, backend="gloo") as c:
+        results = c.run(_sparse_on_a_group_that_refuses_sparse)
+    # rank 0 sends rows 0, 3, 3 (1, 2, 4); rank 1 rows 1, 3, 4 (2, 4, 8)
+    assert results[0]["sum"] == results[1]["sum"] == [1.0, 2.0, 0.0, 10.0, 8.0, 0.0]
+    assert all(r["bucketed"] and r["manual"] for r in results), results
