@@ -156,3 +156,90 @@ def test_sparse_gradients_are_reduced_on_a_group_that_has_no_sparse_all_reduce()
     # rank 0 sends rows 0, 3, 3 (1, 2, 4); rank 1 rows 1, 3, 4 (2, 4, 8)
     assert results[0]["sum"] == results[1]["sum"] == [1.0, 2.0, 0.0, 10.0, 8.0, 0.0]
     assert all(r["bucketed"] and r["manual"] for r in results), results
+
+
+# -- host syncs torch's reducer does not make ---------------------------------------------------
+class _NoHostReads:
+    """Within the block, ``Tensor.tolist`` and ``Tensor.item`` raise: on a GPU each would make
+    the host wait for the GPU's queued work (the fake: reading a tensor at all)."""
+
+    def __enter__(self):
+        import torch
+
+        self.saved = torch.Tensor.tolist, torch.Tensor.item
+
+        def refuse(t, *a, **k):
+            raise AssertionError("a host read of a tensor inside backward")
+        torch.Tensor.tolist = torch.Tensor.item = refuse
+
+    def __exit__(self, *exc):
+        import torch
+
+        torch.Tensor.tolist, torch.Tensor.item = self.saved
+
+
+def _find_unused_reads_the_map_only_when_needed():
+    import torch
+    from torch import nn
+
+    import ddplab
+
+    class Maybe(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(3, 3), nn.Linear(3, 3)
+
+        def forward(self, x, use_b):
+            x = self.a(x)
+            return self.b(x) if use_b else x
+
+    torch.manual_seed(0)
+    model = ddplab.BucketedDDP(Maybe(), find_unused_parameters=True, bucket_cap_mb=1e-5)
+    x = torch.ones(2, 3)
+    with _NoHostReads():  # every parameter used: nothing to read back
+        model(x, True).sum().backward()
+    try:
+        with _NoHostReads():  # "b" sat out here: torch reads its map back too
+            model(x, False).sum().backward()
+        return "no read"
+    except AssertionError:
+        return "read"
+
+
+def _overlap_order_read_late():
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+
+    from ddplab.sync.overlap import OverlapDDP
+
+    class Either(nn.Module):  # the data decides which layer runs first
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(3, 3), nn.Linear(3, 3)
+
+        def forward(self, x, first):
+            for name in (("a", "b") if first == "a" else ("b", "a")):
+                x = getattr(self, name)(x)
+            return x
+
+    OverlapDDP._read_later = staticmethod(lambda check: True)  # the GPU path, on the CPU
+    torch.manual_seed(0)
+    model = OverlapDDP(Either())
+    first = "a" if dist.get_rank() == 0 else "b"
+    with _NoHostReads():  # step 0: the orders differ, and nothing is read on the host
+        model(torch.ones(2, 3), first).sum().backward()
+    try:
+        model(torch.ones(2, 3), "a").sum().backward()  # step 1: same order, step 0's answer
+    except RuntimeError as e:
+        return str(e)
+    return "no error"
+
+
+@pytest.mark.slow
+def test_host_reads_that_torch_does_not_make_are_gone_from_the_reducers():
+    with ddplab.Cluster(2, backend="gloo") as c:
+        assert c.run(_find_unused_reads_the_map_only_when_needed) == ["read", "read"]
+        errors = c.run(_overlap_order_read_late)
+    for e in errors:
+        assert "different orders in the previous backward" in e and "PREVIOUS step" in e, e
