@@ -102,8 +102,9 @@ class StrategyRunner:
             if built.tracer is not None:
                 # DDP waits for its buckets inside backward; the last grad-ready
                 # marks where backward's compute ended and the wait began.
-                end = built.tracer.end_iteration()["backward_compute_end"]
-                rec.split_phase("backward", end, "wait", source="derived")
+                end = built.tracer.end_iteration()
+                rec.split_phase("backward", end["backward_compute_end"], "wait", source="derived",
+                                event=end["backward_compute_end_event"])
             self.compute_s.append(rec.phase_span("backward")[1] - t0 - slept)
             with rec.phase("step"):
                 self.opt.step()
