@@ -243,3 +243,38 @@ def test_host_reads_that_torch_does_not_make_are_gone_from_the_reducers():
         errors = c.run(_overlap_order_read_late)
     for e in errors:
         assert "different orders in the previous backward" in e and "PREVIOUS step" in e, e
+
+
+# -- the simulated link on a GPU ------------------------------------------------------------------
+def test_on_a_gpu_the_simulated_link_makes_the_stream_wait_for_the_real_transfer():
+    import threading
+    import time
+
+    import torch
+
+    from ddplab.netsim import LinkModel
+    from ddplab.netsim.simulated import SimulatedLink
+
+    class Queued(_QueuedWork):  # NCCL-like: the future is done at once; wait() is a stream wait
+        waited_on = None
+
+        def wait(self, timeout=None):
+            self.waited_on = threading.current_thread().name
+            return True
+
+    slow = LinkModel(bandwidth_gbps=0.01, latency_us=0.0)  # 1 MB takes ~0.8 s; 1 kB ~0.8 ms
+    with SimulatedLink(slow, world_size=2) as link:
+        work = Queued()
+        linked = link.wrap(work, 1000, device=torch.device("meta"))  # a device tensor's work
+        assert not linked.get_future().done()  # the model holds it back
+        linked.get_future().wait()
+        assert work.waited_on == "ddplab-simulated-link"  # before completing: the stream waits
+        # the host stamp of a device work is enqueue time: never "the real transfer ended"
+        time.sleep(0.002)
+        late = Queued()
+        fast = link.wrap(late, 1, device=torch.device("meta"))
+        fast.get_future().wait()
+        assert linked.done_stamp()["source"] == fast.done_stamp()["source"] == "simulated"
+        cpu_work = link.wrap(_QueuedWork(), 1)  # gloo: the real end is known on the host
+        cpu_work.get_future().wait()
+        assert cpu_work.done_stamp()["source"] in ("cpu", "simulated")

@@ -148,7 +148,7 @@ def _count(kind, nbytes, bucket):
 # ----------------------------------------------------------------------------
 # SIMULATED LINK: ddplab.netsim attaches here, and nowhere else.
 # ``set_link(link)`` installs a ``ddplab.contracts.protocols.Link``: ``wrap(work, nbytes,
-# group)`` returns a work completing no earlier than the modelled transfer.
+# group, device=...)`` returns a work completing no earlier than the modelled transfer.
 # The delay lives in that returned object, never in a sleep inside a hook, so
 # overlap with backward stays honest.
 # ----------------------------------------------------------------------------
@@ -179,11 +179,11 @@ def link():
     return _link
 
 
-def _after_launch(work, group, recorder, kind, nbytes, bucket, params, on_device=False):
+def _after_launch(work, group, recorder, kind, nbytes, bucket, params, device):
     """Route ``work`` over the simulated link (if any) and stamp launch and done (or enqueued)."""
-    linked = _link is not None
-    if linked:
-        work = _link.wrap(work, nbytes, group)
+    linked, on_device = _link is not None, device.type != "cpu"
+    if linked:  # the device: a GPU's simulated work must make the GPU wait for the real one
+        work = _link.wrap(work, nbytes, group, device=device)
     if recorder is None:
         return work
     recorder.record("launch", now(), bucket=bucket, kind=kind, nbytes=nbytes, params=tuple(params))
@@ -198,8 +198,9 @@ def _after_launch(work, group, recorder, kind, nbytes, bucket, params, on_device
         # Over a simulated link the link says when the transfer started and who
         # decided its end (the model or the slower real transfer).
         extra = work.done_stamp() if linked else {}
-        recorder.record("enqueued" if on_device else "done", now(), bucket=bucket, kind=kind,
-                        **extra)
+        # over a link the stamp is the modelled end (the GPU also waits for the real one)
+        event = "enqueued" if on_device and not linked else "done"
+        recorder.record(event, now(), bucket=bucket, kind=kind, **extra)
 
     work.get_future().then(stamp_done)
     return work
@@ -261,8 +262,7 @@ def all_reduce(tensor: torch.Tensor, group=None, async_op: bool = False, *, op=N
     else:  # looked up now, not at import: whoever patches torch.distributed sees us
         work = dist.all_reduce(tensor, op=dist.ReduceOp.SUM if op is None else op, group=group,
                                async_op=True)
-    work = _after_launch(work, group, recorder, kind, nbytes, bucket, params,
-                         tensor.device.type != "cpu")
+    work = _after_launch(work, group, recorder, kind, nbytes, bucket, params, tensor.device)
     if async_op:
         return work
     work.wait()
@@ -275,8 +275,7 @@ def broadcast(tensor: torch.Tensor, src: int, group=None, async_op: bool = False
     nbytes = tensor.numel() * tensor.element_size()
     _count(kind, nbytes, None)
     work = dist.broadcast(tensor, src=src, group=group, async_op=True)
-    work = _after_launch(work, group, recorder, kind, nbytes, None, (),
-                         tensor.device.type != "cpu")
+    work = _after_launch(work, group, recorder, kind, nbytes, None, (), tensor.device)
     if async_op:
         return work
     work.wait()
