@@ -278,3 +278,76 @@ def test_on_a_gpu_the_simulated_link_makes_the_stream_wait_for_the_real_transfer
         cpu_work = link.wrap(_QueuedWork(), 1)  # gloo: the real end is known on the host
         cpu_work.get_future().wait()
         assert cpu_work.done_stamp()["source"] in ("cpu", "simulated")
+
+
+# -- smaller GPU facts ------------------------------------------------------------------------------
+def test_status_names_the_gpu_each_rank_holds_not_its_rank_number():
+    import types
+
+    from ddplab.cluster.status import cluster_status
+
+    learner_b = types.SimpleNamespace(  # a learner whose Cluster got GPUs 2 and 3
+        _gens=types.SimpleNamespace(ranks=None, closed=True), running=None, pids=[],
+        world_size=2, backend="nccl", gpus=(2, 3), timeout=60.0, generation=0)
+    assert [r["device"] for r in cluster_status(learner_b).ranks] == ["cuda:2", "cuda:3"]
+
+
+def _socket_interfaces():
+    import os
+
+    return os.environ.get("GLOO_SOCKET_IFNAME"), os.environ.get("NCCL_SOCKET_IFNAME")
+
+
+@pytest.mark.slow
+def test_nccls_bootstrap_is_told_to_listen_on_loopback_like_gloo():
+    with ddplab.Cluster(1) as c:
+        ((gloo, nccl),) = c.run(_socket_interfaces)
+    assert gloo and nccl == gloo  # the loopback interface's name, e.g. "lo"
+
+
+def test_results_reach_the_kernel_without_device_tensors_in_any_torch_container(monkeypatch):
+    import collections
+
+    import torch
+    from torch import nn
+
+    from ddplab.cluster import results
+
+    moved = []
+    real_cpu = torch.Tensor.cpu
+
+    def cpu(t, *a, **k):  # the fake: every tensor counts as a device tensor until moved
+        moved.append(t.shape)
+        return real_cpu(t, *a, **k)
+
+    monkeypatch.setattr(torch.Tensor, "cpu", cpu)
+    Pair = collections.namedtuple("Pair", "loss grad")
+    state = nn.Linear(2, 3).state_dict()
+    out = results.to_cpu({"state": state, "max": torch.max(torch.ones(2, 3), dim=0),
+                          "pair": Pair(torch.zeros(1), torch.ones(4)), "plain": [torch.ones(5)]})
+    assert sorted(moved, key=str) == sorted([torch.Size([3, 2]), torch.Size([3]), torch.Size([3]),
+                                             torch.Size([3]), torch.Size([1]), torch.Size([4]),
+                                             torch.Size([5])], key=str)
+    assert type(out["state"]) is type(state) and list(out["state"]) == ["weight", "bias"]
+    assert out["state"]._metadata == state._metadata  # load_state_dict still reads it
+    assert type(out["max"]).__name__ == "max" and out["max"].indices.shape == (3,)
+    assert isinstance(out["pair"], Pair) and out["pair"].grad.shape == (4,)
+
+
+def _rank():
+    import torch.distributed as dist
+
+    return dist.get_rank()
+
+
+@pytest.mark.slow
+def test_a_short_collective_timeout_survives_ranks_that_start_seconds_apart(tmp_path):
+    # CUDA and NCCL start-up can put seconds between ranks; faked by holding rank 1 back
+    # 3 s before it starts, under a 1 s collective timeout.
+    (tmp_path / "sitecustomize.py").write_text(
+        "import json, os, time\n"
+        "cfg = os.environ.get('DDPLAB_WORKER')\n"
+        "if cfg and json.loads(cfg).get('rank') == 1:\n"
+        "    time.sleep(3)\n")
+    with ddplab.Cluster(2, backend="gloo", timeout=1, env={"PYTHONPATH": str(tmp_path)}) as c:
+        assert c.run(_rank) == [0, 1]

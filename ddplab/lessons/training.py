@@ -161,7 +161,8 @@ def traffic_on_rank(batch_size, strategy="bucketed", micro_steps=1, use_no_sync=
             last = k == micro_steps - 1
             quiet = model.no_sync() if use_no_sync and not last else contextlib.nullcontext()
             x, y = tiny_batch(dist.get_rank(), k, batch_size, torch.float32)
-            cast = (torch.autocast("cpu", dtype=autocast_dtype) if autocast_dtype
+            # autocast for the device the model runs on: a CPU autocast leaves CUDA ops alone
+            cast = (torch.autocast(x.device.type, dtype=autocast_dtype) if autocast_dtype
                     else contextlib.nullcontext())
             with quiet:
                 with cast:
