@@ -417,3 +417,15 @@ def test_the_reference_ring_groups_each_send_with_its_receive_for_nccl():
     with ddplab.Cluster(3, backend="gloo") as c:
         for equal, calls in c.run(_ring_grouped_as_on_nccl):
             assert equal and calls == [2] * 4  # 2(p-1) steps, each one send + one receive
+
+
+def test_a_torchrun_rank_about_to_take_a_gpu_someone_holds_says_so(monkeypatch, capsys):
+    from ddplab.cluster import gpus
+    from ddplab.cluster.gpu_facts import GPU
+    from ddplab.cluster.torchrun import warn_if_taken
+
+    monkeypatch.setattr(gpus, "discover", lambda: [GPU(0, "H100", "GPU-0", 81559, 9000, (4242,)),
+                                                   GPU(1, "H100", "GPU-1", 81559, 3, ())])
+    assert warn_if_taken(1, rank=1) is None
+    assert "pid(s) 4242" in warn_if_taken(0, rank=0)
+    assert "CUDA_VISIBLE_DEVICES naming free GPUs" in capsys.readouterr().err

@@ -132,9 +132,28 @@ def init_from_env(backend: str = "auto", timeout: float | None = None,
     os.environ.setdefault("GLOO_SOCKET_IFNAME", interface_towards(os.environ["MASTER_ADDR"]))
     # env:// reads MASTER_ADDR/MASTER_PORT (and torchrun's agent store) itself. Under
     # nccl the group also serves CPU tensors through gloo (cluster/backend.py).
+    if backend == "nccl":
+        warn_if_taken(gpu, env["rank"])
     rank_backend.init_group(backend, rank=env["rank"], world_size=env["world_size"],
                             timeout=timeout, gpu=gpu, init_method="env://")
     return current_env()
+
+
+def warn_if_taken(gpu: int, rank: int) -> str | None:
+    """Say so (stderr) when another process already holds the GPU this rank is about to take.
+
+    torchrun gives local rank i GPU i, whoever holds it; on a shared server that may be
+    another learner's. Returns the warning, or None."""
+    from ddplab.cluster.gpus import discover
+
+    found = {g.index: g for g in discover()}
+    why = found[gpu].busy_reason() if gpu in found else None
+    if why is None:
+        return None
+    msg = (f"ddplab: rank {rank} takes GPU {gpu}, but {why}. On a shared server, run with "
+           "CUDA_VISIBLE_DEVICES naming free GPUs (python -m ddplab doctor lists them).")
+    print(msg, file=sys.stderr)
+    return msg
 
 
 def local_gpu(local_rank: int, local_world_size: int, visible: int) -> tuple[int, int]:
