@@ -334,62 +334,6 @@ def test_results_reach_the_kernel_without_device_tensors_in_any_torch_container(
     assert isinstance(out["pair"], Pair) and out["pair"].grad.shape == (4,)
 
 
-def _rank():
-    import torch.distributed as dist
-
-    return dist.get_rank()
-
-
-@pytest.mark.slow
-def test_a_short_collective_timeout_survives_ranks_that_start_seconds_apart(tmp_path):
-    # CUDA and NCCL start-up can put seconds between ranks; faked by holding rank 1 back
-    # 3 s before it starts, under a 1 s collective timeout.
-    (tmp_path / "sitecustomize.py").write_text(
-        "import json, os, time\n"
-        "cfg = os.environ.get('DDPLAB_WORKER')\n"
-        "if cfg and json.loads(cfg).get('rank') == 1:\n"
-        "    time.sleep(3)\n")
-    with ddplab.Cluster(2, backend="gloo", timeout=1, env={"PYTHONPATH": str(tmp_path)}) as c:
-        assert c.run(_rank) == [0, 1]
-
-
-# -- torchrun on several GPU nodes ------------------------------------------------------------------
-def test_a_launcher_giving_each_process_its_own_gpu_still_gets_nccl(monkeypatch):
-    from ddplab.cluster import resources
-    from ddplab.cluster.torchrun import local_gpu
-
-    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "GPU-5d5ba0d6")  # this process's one GPU
-    gpu, counted = local_gpu(local_rank=3, local_world_size=4, visible=1)
-    assert gpu == 0 and resources.choose_backend("auto", 4, counted) == "nccl"
-    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")  # one GPU for 4 ranks: gloo, as before
-    gpu, counted = local_gpu(local_rank=3, local_world_size=4, visible=1)
-    assert gpu == 3 and resources.choose_backend("auto", 4, counted) == "gloo"
-
-
-def test_gloo_listens_on_the_interface_that_reaches_the_master():
-    import socket
-
-    from ddplab.cluster.torchrun import interface_towards
-
-    assert interface_towards("127.0.0.1").startswith("lo")
-    for _, name in socket.if_nameindex():  # each interface with an IPv4 address reaches itself
-        try:
-            addr = _ipv4_of(name)
-        except OSError:
-            continue
-        assert interface_towards(addr) == name or addr.startswith("127.")
-
-
-def _ipv4_of(name):
-    import fcntl
-    import socket
-    import struct
-
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        raw = fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", name.encode()[:15]))
-    return socket.inet_ntoa(raw[20:24])
-
-
 def _ring_grouped_as_on_nccl():
     import torch
     import torch.distributed as dist
