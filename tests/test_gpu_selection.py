@@ -175,3 +175,133 @@ def test_strict_device_check_leaves_gloo_ranks_training():
 
     with ddplab.Cluster(2, env={"DDPLAB_REQUIRE_DEVICE_GRADS": "1"}) as c:
         assert max(c.run(step)) < 1e-12
+
+
+# -- a fake nvidia-smi on PATH: what the driver prints, in the formats NVIDIA documents --------
+# --query-gpu / --query-compute-apps with --format=csv,noheader,nounits; -L as R470+ drivers
+# print it (MIG devices indented under their GPU), and the older MIG-GPU-<uuid>/<gi>/<ci> form.
+A100 = "GPU-5d5ba0d6-d33d-2b2c-524d-9e3d8d2b8a77"
+H100 = "GPU-9f1c2e44-0a6b-4c1d-8e2f-3b4a5c6d7e8f"
+QUERY_GPU = (f"0, {A100}, NVIDIA A100-SXM4-40GB, 40960, 87\n"
+             f"1, {H100}, NVIDIA H100 80GB HBM3, 81559, 1203\n")
+LISTING = (f"GPU 0: NVIDIA A100-SXM4-40GB (UUID: {A100})\n"
+           "  MIG 3g.20gb     Device  0: (UUID: MIG-8e5d2b8c-7b1f-5b4b-9a0c-7c6d1e3e6f11)\n"
+           "  MIG 2g.10gb     Device  1: (UUID: MIG-cba663e8-9bed-5b25-b243-5985ef7c9beb)\n"
+           f"GPU 1: NVIDIA H100 80GB HBM3 (UUID: {H100})\n")
+LEGACY_LISTING = (f"GPU 0: NVIDIA A100-SXM4-40GB (UUID: {A100})\n"
+                  f"  MIG 3g.20gb Device 0: (UUID: MIG-{A100}/1/0)\n")
+
+
+@pytest.fixture
+def fake_smi(tmp_path, monkeypatch):
+    """Put an ``nvidia-smi`` that prints the given texts on PATH (an empty process list:
+    what a container sees however many processes the host runs on its GPUs)."""
+    def install(query_gpu=QUERY_GPU, apps="", listing=LISTING):
+        for name, text in (("gpu", query_gpu), ("apps", apps), ("list", listing)):
+            (tmp_path / name).write_text(text)
+        smi = tmp_path / "bin" / "nvidia-smi"
+        smi.parent.mkdir(exist_ok=True)
+        smi.write_text("#!/bin/sh\n"
+                       f'case "$1" in --query-gpu=*) cat {tmp_path}/gpu;; '
+                       f"--query-compute-apps=*) cat {tmp_path}/apps;; -L) cat {tmp_path}/list;; "
+                       "*) exit 2;; esac\n")
+        smi.chmod(0o755)
+        monkeypatch.setenv("PATH", f"{smi.parent}:" + __import__("os").environ["PATH"])
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    monkeypatch.setenv("DDPLAB_GPU_LOCK_DIR", str(tmp_path / "locks"))
+    return install
+
+
+def test_in_a_container_an_empty_process_list_does_not_make_a_used_gpu_free(fake_smi):
+    fake_smi(apps="")  # the host's processes are invisible from inside the container
+    found = discover()
+    assert [(g.index, g.pids, g.used_mib) for g in found] == [(0, (), 87), (1, (), 1203)]
+    assert "judged by memory" in found[1].busy_reason()
+    assert place(1, "auto", found=found).gpus == (0,)
+    p = place(2, "auto", found=found)
+    assert p.backend == "gloo" and "1 of 2 are free" in p.notes[0]
+
+
+def test_listed_processes_still_name_the_user(fake_smi):
+    fake_smi(apps=f"{H100}, 4242\n")
+    assert discover()[1].pids == (4242,)
+    assert "pid(s) 4242" in place(2, "auto").notes[0]
+
+
+@pytest.mark.parametrize("listing, entry", [
+    (LISTING, "MIG-cba663e8-9bed-5b25-b243-5985ef7c9beb"),
+    (LISTING, "MIG-cba663e8"),  # a prefix, as CUDA accepts
+    (LEGACY_LISTING, f"MIG-{A100}/1/0"),  # drivers before R470
+])
+def test_a_mig_device_in_cuda_visible_devices_is_found(fake_smi, monkeypatch, listing, entry):
+    fake_smi(listing=listing)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", entry)
+    (mig,) = discover()
+    assert mig.mig and mig.index == 0 and mig.uuid.startswith(entry)
+    assert "MIG 3g.20gb" in mig.name or "MIG 2g.10gb" in mig.name
+    assert (place(1, "auto", found=[mig]).backend, place(1, "auto", found=[mig]).gpus) == ("nccl", (0,))
+
+
+def test_two_mig_devices_cannot_serve_two_ranks(fake_smi, monkeypatch):
+    fake_smi()
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "MIG-8e5d2b8c,MIG-cba663e8")
+    found = discover()
+    assert [g.mig for g in found] == [True, True]
+    p = place(2, "auto", found=found)
+    assert p.backend == "gloo" and "one MIG device per process" in p.notes[0]
+    with pytest.raises(ValueError, match="MIG devices serve world size 1"):
+        place(2, "nccl", found=found)
+
+
+def test_a_reserved_gpu_is_not_given_to_the_next_cluster(tmp_path, monkeypatch):
+    monkeypatch.setenv("DDPLAB_GPU_LOCK_DIR", str(tmp_path))
+    found = _server()
+    first = place(2, "auto", found=found, reserve=True)
+    second = place(2, "auto", found=found, reserve=True)
+    assert (first.gpus, second.gpus) == ((0, 1), (2, 3))  # the same facts, disjoint GPUs
+    third = place(1, "auto", found=found, reserve=True)
+    assert third.backend == "gloo" and "reserved by another ddplab Cluster" in third.notes[0]
+    first.reservation.release()
+    again = place(2, "auto", found=found, reserve=True)
+    assert again.gpus == (0, 1)
+    for p in (second, again):
+        p.reservation.release()
+    assert place(2, "auto", found=found).gpus == (0, 1)  # without reserve, nothing is held
+
+
+def test_a_lock_held_by_another_process_counts_and_dies_with_it(tmp_path, monkeypatch):
+    import subprocess
+    import sys
+
+    from ddplab.cluster import gpu_locks
+
+    monkeypatch.setenv("DDPLAB_GPU_LOCK_DIR", str(tmp_path))
+    found = _server()
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import sys, fcntl; f = open(sys.argv[1], 'a'); "
+         "fcntl.flock(f, fcntl.LOCK_EX); print('held', flush=True); sys.stdin.read()",
+         str(tmp_path / gpu_locks.key(found[0]))],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        p = place(1, "auto", found=found, reserve=True)
+        assert p.gpus == (1,)
+        p.reservation.release()
+    finally:
+        holder.kill()
+        holder.wait()
+    p = place(1, "auto", found=found, reserve=True)  # a dead holder leaves no lock behind
+    assert p.gpus == (0,)
+    p.reservation.release()
+
+
+def test_a_hub_gets_disjoint_free_gpus_for_its_learners():
+    from ddplab.cluster.gpus import assign
+
+    found = _server((), (4242,), (), ()) + [GPU(4, "H100", "GPU-4", 81559, 3, ()),
+                                             GPU(5, "H100", "GPU-5", 81559, 3, ())]
+    sets = assign(found, [2, 1, 2])
+    assert [[g.index for g in s] for s in sets] == [[0, 2], [3], [4, 5]]
+    assert len({g.uuid for s in sets for g in s}) == 5  # nobody shares
+    with pytest.raises(ValueError, match="need 6 GPU.*5 of 6 are free.*pid\\(s\\) 4242"):
+        assign(found, [3, 3])

@@ -18,9 +18,10 @@ PACKAGE = ROOT / "ddplab"
 # not listed has no layer and fails the test: add it here, at the level it belongs to.
 MODULES = {
     0: {"ddplab.contracts": ["", "clock", "protocols"],
-        "ddplab.cluster": ["", "answers", "backend", "cluster", "diagnosis", "errors", "generations", "observed",
-                           "gpus", "lifecycle", "output", "process", "progress", "rendezvous",
-                           "resources", "status", "subset", "torchrun", "worker"]},
+        "ddplab.cluster": ["", "answers", "backend", "cluster", "diagnosis", "errors", "generations",
+                           "gpu_facts", "gpu_locks", "gpus", "lifecycle", "observed", "output",
+                           "process", "progress", "rendezvous", "resources", "results", "status",
+                           "subset", "torchrun", "worker"]},
     1: {"ddplab.netsim": ["", "costmodel", "link", "simulated"]},
     2: {"ddplab.timeline": ["", "clock", "cuda_events", "metrics", "recorder", "records", "trace"]},
     3: {"ddplab.sync": ["", "_common", "bucket", "bucketed", "comm", "comm_hooks", "ddp_trace",

@@ -117,13 +117,16 @@ def test_exported_script_on_two_nodes(tmp_path):
                         f"pushed {3 * r} 500"] for r in range(4)}
 
 
-@pytest.mark.gpu
-def test_exported_script_takes_one_gpu_per_rank_with_nccl(tmp_path):
-    export.write_script(tmp_path / "train.py", recording(2, backend="auto"))
+@pytest.mark.parametrize("n", [pytest.param(1, marks=pytest.mark.gpu(1)),
+                               pytest.param(2, marks=pytest.mark.gpu(2))])
+def test_exported_script_takes_one_gpu_per_rank_with_nccl(tmp_path, n):
+    # n processes need n GPUs: NCCL refuses two ranks on one GPU, so a 1-GPU machine runs n=1
+    export.write_script(tmp_path / "train.py", recording(n, backend="auto"))
     run = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={n}",
          "--tee=3", "train.py"],
         cwd=tmp_path, env=torchrun_env(), capture_output=True, text=True, timeout=180)
     assert run.returncode == 0, run.stderr[-3000:]
-    assert by_rank(run.stdout) == {r: [f"rank={r} local_rank={r} world_size=2 device=cuda:{r} sum=1",
-                                       f"pushed {3 * r} 500"] for r in range(2)}
+    total = sum(range(n))
+    assert by_rank(run.stdout) == {r: [f"rank={r} local_rank={r} world_size={n} device=cuda:{r} "
+                                       f"sum={total}", f"pushed {3 * r} 500"] for r in range(n)}

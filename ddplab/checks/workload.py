@@ -28,6 +28,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ddplab.sync import comm
+
 VOCAB, DIM, HIDDEN, BATCH = 16, 8, 12, 8
 SEED = 100  # rank r starts from SEED + r; one process starts from rank 0's weights
 LR = 0.1
@@ -114,6 +116,8 @@ def one_process(steps: int, world_size: int, n_micro: int = 1) -> list:
     return out
 
 
+# float64 on the CPU on purpose, also on NCCL ranks: it is the exact reference, not a timing.
+@comm.cpu_gradients_on_purpose()
 def references(steps: int, n_micro: int = 1, group=None, recorder=None) -> dict:
     """Run on every rank: ``{"one_process": [...], "torch_ddp": [...]}``, parameters after each step.
 

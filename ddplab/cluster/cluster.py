@@ -65,10 +65,9 @@ class Cluster:
     def __init__(self, world_size: int = 2, backend: str = "auto", timeout: float = 60.0,
                  env: dict | None = None, *, gpus=None, threads: int | None = None):
         self.world_size = resources.check_world_size(world_size)
-        # Which GPUs, if any: only free ones under "auto", so that learners sharing a
-        # server never land on each other's GPUs in silence (gpus.py).
-        placed = gpu_placement.place(world_size, resources.check_backend(backend), gpus)
-        self.backend, self.gpus = placed.backend, placed.gpus
+        # Free GPUs only under "auto", locked until shutdown: learners never share one (gpus.py).
+        placed = gpu_placement.place(world_size, resources.check_backend(backend), gpus, reserve=True)
+        self.backend, self.gpus, self._gpu_lock = placed.backend, placed.gpus, placed.reservation
         for note in placed.notes:
             print(note, file=sys.stderr)
         self.timeout, self.env = resources.check_timeout(timeout), resources.check_env(env)
@@ -90,6 +89,7 @@ class Cluster:
             self._lifecycle(self._gens.start, point="start:waiting")
         except BaseException:  # an Interrupt while starting leaves no rank behind
             self._gens.abandon()
+            self._gpu_lock.release()
             raise
         _live.add(self)
 
@@ -133,6 +133,7 @@ class Cluster:
         finally:
             if idle:
                 self._lock.release()
+            self._gpu_lock.release()  # the ranks are gone: others may take the GPUs
             gens.out.show(final=True)
 
     def __enter__(self):

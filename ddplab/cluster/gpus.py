@@ -9,139 +9,34 @@ memory is taken. ``backend="auto"`` counts only GPUs that nobody else holds,
 and falls back to gloo on CPU, saying why, when too few are free. Naming the
 GPUs (``Cluster(2, gpus=[2, 3])``) takes them even if busy, with a warning.
 
-How the facts are read: ``nvidia-smi`` (the command-line face of NVML, the
-driver's management library) answers without creating a CUDA context, so the
-learner's kernel never grabs GPU memory just by asking. Inside some containers
-NVML cannot see other processes' pids; then a GPU counts as busy when more than
-``BUSY_MIB`` of its memory is used, and the reason says that this was a guess
-from memory. Indices are the ones torch sees after CUDA_VISIBLE_DEVICES (which
-may list indices or UUIDs); ranks get CUDA_DEVICE_ORDER=PCI_BUS_ID so that
-torch numbers GPUs in the same order as nvidia-smi.
+The facts (who uses each GPU, its memory, MIG devices, CUDA_VISIBLE_DEVICES)
+come from ``gpu_facts`` (nvidia-smi, no CUDA context); ranks get
+CUDA_DEVICE_ORDER=PCI_BUS_ID so that torch numbers GPUs as nvidia-smi does.
 
-``discover`` is the one place that looks at the hardware: tests replace it
-with a list of ``GPU`` records so the selection, refusal and warning rules run
-on machines without GPUs.
+Asking is not holding: ``place(..., reserve=True)`` (what a Cluster does)
+locks the GPUs it picks (``gpu_locks``) before any rank starts, skips GPUs
+another Cluster holds, and the Cluster releases them at shutdown. ``assign``
+splits a server's GPUs into disjoint sets, one per learner, for a hub that
+hands each learner's server its own CUDA_VISIBLE_DEVICES.
 
-Leaves out: MIG slices (a MIG UUID in CUDA_VISIBLE_DEVICES is treated as one
-opaque GPU), several ranks per GPU (NCCL refuses it), and GPUs on other
-machines (torchrun's business).
+Leaves out: several MIG devices for one Cluster (CUDA enumerates only one
+MIG device per process, see the MIG user guide's "CUDA Device Enumeration",
+so a rank could not select its own: MIG devices serve world size 1),
+several ranks per GPU (NCCL refuses it), and GPUs on other machines
+(torchrun's business).
 
-References: nvidia-smi --help-query-gpu and --help-query-compute-apps; the
-CUDA_VISIBLE_DEVICES and CUDA_DEVICE_ORDER rules of the CUDA programming guide.
+References: nvidia-smi --help-query-gpu, --help-query-compute-apps and -L; the
+CUDA_VISIBLE_DEVICES and CUDA_DEVICE_ORDER rules of the CUDA programming guide;
+NVIDIA's MIG user guide (device names, CUDA device enumeration).
 """
 from __future__ import annotations
 
+import dataclasses
 import os
-import shutil
-import subprocess
 from dataclasses import dataclass, field
 
-BUSY_MIB = 256  # an idle GPU shows a few MiB used; one CUDA context alone takes ~300-500 MiB
-
-
-@dataclass(frozen=True)
-class GPU:
-    """One GPU as this process would number it (after CUDA_VISIBLE_DEVICES)."""
-    index: int
-    name: str = "GPU"
-    uuid: str = ""
-    total_mib: int | None = None
-    used_mib: int | None = None
-    # pids of the processes using it; None when NVML cannot see processes here
-    pids: tuple[int, ...] | None = ()
-    note: str = field(default="", compare=False)
-
-    @property
-    def free_mib(self) -> int | None:
-        if self.total_mib is None or self.used_mib is None:
-            return None
-        return self.total_mib - self.used_mib
-
-    def users(self, own_pids=()) -> tuple[int, ...] | None:
-        """Other processes holding this GPU (None: unknown)."""
-        if self.pids is None:
-            return None
-        return tuple(p for p in self.pids if p not in set(own_pids))
-
-    def busy_reason(self, own_pids=()) -> str | None:
-        """Why another learner seems to hold this GPU, or None when it looks free."""
-        users = self.users(own_pids)
-        if users:
-            return f"GPU {self.index} is used by pid(s) {', '.join(map(str, users))}"
-        if users is None and self.used_mib is not None and self.used_mib > BUSY_MIB:
-            return (f"GPU {self.index} has {self.used_mib} MiB in use (the driver does not show "
-                    "which processes from here, so this is judged by memory)")
-        return None
-
-
-def discover() -> list[GPU]:
-    """The GPUs this process may give its ranks, with their memory and users."""
-    smi = shutil.which("nvidia-smi")
-    rows = _query(smi, "--query-gpu=index,uuid,name,memory.total,memory.used") if smi else None
-    if rows is None:
-        return _from_torch()
-    apps = _query(smi, "--query-compute-apps=gpu_uuid,pid")
-    pids: dict[str, list[int]] = {}
-    for app in apps or []:
-        if len(app) >= 2 and app[1].isdigit():
-            pids.setdefault(app[0], []).append(int(app[1]))
-    physical = []
-    for r in rows:
-        if len(r) < 5:
-            continue
-        physical.append(GPU(index=int(r[0]), uuid=r[1], name=r[2], total_mib=_int(r[3]),
-                            used_mib=_int(r[4]),
-                            pids=tuple(pids.get(r[1], ())) if apps is not None else None))
-    return visible(physical, os.environ.get("CUDA_VISIBLE_DEVICES"))
-
-
-def visible(physical: list[GPU], cuda_visible_devices: str | None) -> list[GPU]:
-    """Renumber the machine's GPUs as CUDA does under CUDA_VISIBLE_DEVICES.
-
-    CUDA reads the list up to its first entry that names no GPU, and an index
-    may be written as a number or as a (prefix of a) UUID.
-    """
-    if cuda_visible_devices is None:
-        return list(physical)
-    chosen: list[GPU] = []
-    for entry in (e.strip() for e in cuda_visible_devices.split(",")):
-        match = None
-        if entry.lstrip("-").isdigit():
-            match = next((g for g in physical if g.index == int(entry)), None)
-        elif entry:
-            found = [g for g in physical if g.uuid.startswith(entry)]
-            match = found[0] if len(found) == 1 else None
-        if match is None or match in chosen:
-            break
-        chosen.append(match)
-    return [GPU(i, g.name, g.uuid, g.total_mib, g.used_mib, g.pids, g.note)
-            for i, g in enumerate(chosen)]
-
-
-def _query(smi: str, what: str) -> list[list[str]] | None:
-    try:
-        out = subprocess.run([smi, what, "--format=csv,noheader,nounits"], capture_output=True,
-                             text=True, timeout=10)
-    except (OSError, subprocess.SubprocessError):
-        return None
-    if out.returncode != 0:
-        return None
-    return [[c.strip() for c in line.split(",")] for line in out.stdout.splitlines() if line.strip()]
-
-
-def _int(text: str) -> int | None:
-    try:
-        return int(float(text))
-    except ValueError:
-        return None
-
-
-def _from_torch() -> list[GPU]:
-    # No nvidia-smi: count with torch (no CUDA context) and admit we know nothing else.
-    from ddplab.cluster.resources import visible_gpus
-
-    return [GPU(i, pids=None, note="no nvidia-smi: memory and users unknown")
-            for i in range(visible_gpus())]
+from ddplab.cluster import gpu_locks
+from ddplab.cluster.gpu_facts import BUSY_MIB, GPU, discover, mig_devices, visible  # noqa: F401 - the public names
 
 
 @dataclass(frozen=True)
@@ -150,13 +45,18 @@ class Placement:
     backend: str
     gpus: tuple[int, ...] = ()
     notes: tuple[str, ...] = ()  # why gloo was chosen, or warnings about busy GPUs
+    # the locks on ``gpus`` when placed with reserve=True (else it holds none); release()
+    reservation: gpu_locks.Reservation = field(default_factory=lambda: gpu_locks.Reservation({}),
+                                               compare=False, repr=False)
 
 
 def place(world_size: int, backend: str, gpus=None, found: list[GPU] | None = None,
-          own_pids=()) -> Placement:
+          own_pids=(), reserve: bool = False) -> Placement:
     """Choose the backend and the GPUs for ``world_size`` ranks; ValueError says what to do.
 
     ``backend`` is already one of auto/gloo/nccl (``resources.choose_backend`` checks names).
+    ``reserve=True`` also locks the chosen GPUs (``Placement.reservation``; release it when
+    the ranks are gone) and counts GPUs that another Cluster has locked as busy.
     """
     if backend == "gloo":
         if gpus is not None:
@@ -164,15 +64,42 @@ def place(world_size: int, backend: str, gpus=None, found: list[GPU] | None = No
                              "run on CPU. Drop gpus= or use backend='nccl' (or 'auto').")
         return Placement("gloo")
     found = discover() if found is None else found
+    taken: set = set()
+    for _ in range(len(found) + 1):  # each round: a GPU we lost to a racing Cluster is taken
+        if reserve:
+            taken |= {g.index for g in found if gpu_locks.held_elsewhere(g)}
+        placed = _choose(world_size, backend, gpus, found, own_pids, taken)
+        if not (reserve and placed.gpus):
+            return placed
+        chosen = [g for g in found if g.index in placed.gpus]
+        reservation, lost = gpu_locks.reserve(chosen)
+        if not lost or gpus is not None:  # named GPUs are taken anyway (with a warning)
+            return dataclasses.replace(placed, reservation=reservation)
+        reservation.release()
+        taken |= {g.index for g in lost}
+    raise RuntimeError("could not reserve GPUs: other Clusters kept taking them; try again")
+
+
+def _choose(world_size, backend, gpus, found, own_pids, taken) -> Placement:
+    def busy(g):
+        if g.index in taken:
+            return f"GPU {g.index} is reserved by another ddplab Cluster (a lock file, gpu_locks)"
+        return g.busy_reason(own_pids)
+
     by_index = {g.index: g for g in found}
+    if world_size > 1 and any(g.mig for g in found):
+        why = (f"{world_size} ranks cannot each select a MIG device: CUDA enumerates one MIG "
+               "device per process. MIG devices serve world size 1; use whole GPUs for more.")
+        if backend == "auto" and gpus is None:
+            return Placement("gloo", (), (f"backend='auto' chose gloo (CPU): {why}",))
+        raise ValueError(why)
     if gpus is not None:
         chosen = _check_named(list(gpus) if not isinstance(gpus, int) else gpus, world_size, by_index)
         warnings = tuple(f"{why}: your ranks will share it, which slows both and may run out "
-                         "of memory." for why in (by_index[i].busy_reason(own_pids) for i in chosen)
-                         if why)
+                         "of memory." for why in (busy(by_index[i]) for i in chosen) if why)
         return Placement("nccl", chosen, warnings)
-    free = [g for g in found if g.busy_reason(own_pids) is None]
-    busy = [g.busy_reason(own_pids) for g in found if g.busy_reason(own_pids)]
+    free = [g for g in found if busy(g) is None]
+    reasons = [busy(g) for g in found if busy(g)]
     if backend == "auto":
         if len(free) >= world_size:
             return Placement("nccl", tuple(g.index for g in free[:world_size]))
@@ -180,16 +107,38 @@ def place(world_size: int, backend: str, gpus=None, found: list[GPU] | None = No
             return Placement("gloo")  # a CPU machine: nothing to explain
         why = (f"backend='auto' chose gloo (CPU): {world_size} rank(s) need {world_size} free "
                f"GPU(s), {len(free)} of {len(found)} are free"
-               + (" (" + "; ".join(busy) + ")" if busy else "")
+               + (" (" + "; ".join(reasons) + ")" if reasons else "")
                + ". Pass gpus=[...] to use busy GPUs anyway, or a smaller world_size.")
         return Placement("gloo", (), (why,))
     # backend == "nccl": free GPUs first, then busy ones with a warning.
     if len(found) < world_size:
         raise ValueError(too_few(world_size, len(found)))
     chosen = free[:world_size] + [g for g in found if g not in free][:world_size - len(free)]
-    warnings = tuple(f"{g.busy_reason(own_pids)}: your ranks will share it." for g in chosen
-                     if g.busy_reason(own_pids))
+    warnings = tuple(f"{busy(g)}: your ranks will share it." for g in chosen if busy(g))
     return Placement("nccl", tuple(sorted(g.index for g in chosen)), warnings)
+
+
+def assign(found: list[GPU], sizes, own_pids=()) -> list[tuple[GPU, ...]]:
+    """Disjoint sets of free GPUs, ``sizes[i]`` of them for learner ``i`` (a hub's split).
+
+    Hand learner ``i`` ``CUDA_VISIBLE_DEVICES=",".join(g.uuid for g in sets[i])``: UUIDs
+    stay right whatever order the learner's server numbers GPUs in. ValueError when the
+    free GPUs are too few, naming the busy ones.
+    """
+    sizes = list(sizes)
+    if any(isinstance(n, bool) or not isinstance(n, int) or n < 0 for n in sizes):
+        raise ValueError(f"sizes must be numbers of GPUs (ints >= 0), got {sizes!r}")
+    free = [g for g in found if not g.mig and g.busy_reason(own_pids) is None]
+    if sum(sizes) > len(free):
+        busy = "; ".join(g.busy_reason(own_pids) for g in found if g.busy_reason(own_pids))
+        raise ValueError(f"{len(sizes)} learner(s) need {sum(sizes)} GPU(s) but {len(free)} of "
+                         f"{len(found)} are free" + (f" ({busy})" if busy else "") +
+                         ": give fewer learners GPUs, or fewer GPUs each.")
+    sets, start = [], 0
+    for n in sizes:
+        sets.append(tuple(free[start:start + n]))
+        start += n
+    return sets
 
 
 def _check_named(gpus, world_size: int, by_index: dict) -> tuple[int, ...]:

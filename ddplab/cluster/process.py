@@ -75,8 +75,10 @@ class RankProcesses:
             })
             if gpus:  # number GPUs as nvidia-smi does, which is how the kernel chose them
                 child_env.setdefault("CUDA_DEVICE_ORDER", "PCI_BUS_ID")
-            # gloo listens on the interface it is given: loopback keeps it off the network.
+            # gloo and NCCL's bootstrap listen on the interface they are given: loopback
+            # keeps them off the network (one machine; env= may override either).
             child_env.setdefault("GLOO_SOCKET_IFNAME", _loopback_name())
+            child_env.setdefault("NCCL_SOCKET_IFNAME", _loopback_name())
             try:
                 proc = subprocess.Popen(
                     [sys.executable, "-c", "from ddplab.cluster.worker import main; main()"],

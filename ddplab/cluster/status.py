@@ -104,7 +104,8 @@ def cluster_status(cluster) -> ClusterStatus:
             job = f"idle (job {running['id']} runs on ranks {sorted(running['ranks'])} only)"
         else:
             job = f"done with job {running['id']}, waiting for the others"
-        device = f"cuda:{r}" if cluster.backend == "nccl" else "cpu"
+        # the GPU the Cluster chose for this rank (numbered as the kernel sees them)
+        device = f"cuda:{cluster.gpus[r]}" if cluster.backend == "nccl" else "cpu"
         gpu_r = gpu[r] if cluster.backend == "nccl" else None
         if cluster.backend == "nccl" and running is not None:
             gpu_r = "busy (ask when idle)"

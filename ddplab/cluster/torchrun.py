@@ -24,7 +24,13 @@ Launch (the exported script's docstring repeats these):
     HOST is an address of one machine that the other can reach, PORT a free
     port there; the rendezvous decides which machine holds ranks 0-3.
 
-Leaves out, compared with torchrun and torch.distributed: elastic membership
+Several nodes: gloo (which carries CPU tensors, also beside NCCL) is told
+to listen on the interface that reaches MASTER_ADDR (``GLOO_SOCKET_IFNAME``,
+unless set), so that the other nodes can connect to it.
+
+Leaves out, compared with torchrun and torch.distributed: nodes that decide
+on different backends (each node counts its own GPUs under ``auto``: pass
+the same ``backend`` on every node of a mixed cluster), elastic membership
 and restarts (``--max-restarts``), torchrun's error files, and other
 launchers' variables (SLURM_PROCID, OMPI_COMM_WORLD_RANK): set RANK etc.
 from them yourself. ``finish()`` is not in torch: it is how a rank leaves
@@ -116,13 +122,65 @@ def init_from_env(backend: str = "auto", timeout: float | None = None,
     if dist.is_initialized():
         return current_env()
     # Ranks share this machine's GPUs and cores, not the whole job's: count local ranks.
-    backend = resources.choose_backend(backend, env["local_world_size"])
+    # A launcher that gives each process one GPU of its own (CUDA_VISIBLE_DEVICES=<its GPU>)
+    # leaves every process seeing one GPU, its GPU 0: that is one GPU per rank too.
+    gpu, gpus = local_gpu(env["local_rank"], env["local_world_size"], resources.visible_gpus())
+    backend = resources.choose_backend(backend, env["local_world_size"], gpus)
     torch.set_num_threads(threads or resources.threads_per_rank(env["local_world_size"]))
+    # gloo (CPU tensors, also beside NCCL) listens on the interface it is given: the one
+    # that reaches MASTER_ADDR, which every node can then reach too.
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", interface_towards(os.environ["MASTER_ADDR"]))
     # env:// reads MASTER_ADDR/MASTER_PORT (and torchrun's agent store) itself. Under
     # nccl the group also serves CPU tensors through gloo (cluster/backend.py).
+    if backend == "nccl":
+        warn_if_taken(gpu, env["rank"])
     rank_backend.init_group(backend, rank=env["rank"], world_size=env["world_size"],
-                            timeout=timeout, gpu=env["local_rank"], init_method="env://")
+                            timeout=timeout, gpu=gpu, init_method="env://")
     return current_env()
+
+
+def warn_if_taken(gpu: int, rank: int) -> str | None:
+    """Say so (stderr) when another process already holds the GPU this rank is about to take.
+
+    torchrun gives local rank i GPU i, whoever holds it; on a shared server that may be
+    another learner's. Returns the warning, or None."""
+    from ddplab.cluster.gpus import discover
+
+    found = {g.index: g for g in discover()}
+    why = found[gpu].busy_reason() if gpu in found else None
+    if why is None:
+        return None
+    msg = (f"ddplab: rank {rank} takes GPU {gpu}, but {why}. On a shared server, run with "
+           "CUDA_VISIBLE_DEVICES naming free GPUs (python -m ddplab doctor lists them).")
+    print(msg, file=sys.stderr)
+    return msg
+
+
+def local_gpu(local_rank: int, local_world_size: int, visible: int) -> tuple[int, int]:
+    """(this rank's GPU index, GPUs counted for the backend choice) on its machine."""
+    if visible == 1 and local_world_size > 1 and os.environ.get("CUDA_VISIBLE_DEVICES"):
+        return 0, local_world_size  # one GPU per process, chosen by the launcher
+    return local_rank, visible
+
+
+def interface_towards(addr: str) -> str:
+    """The name of this machine's network interface that packets to ``addr`` leave by."""
+    import fcntl
+    import socket
+    import struct
+
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.connect((addr, 9))  # UDP: picks the route, sends nothing
+        local = s.getsockname()[0]
+        for _, name in socket.if_nameindex():
+            try:  # SIOCGIFADDR: the interface's IPv4 address
+                raw = fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", name.encode()[:15]))
+            except OSError:
+                continue
+            if socket.inet_ntoa(raw[20:24]) == local:
+                return name
+    raise RuntimeError(f"no network interface of this machine has the address {local} that "
+                       f"reaches MASTER_ADDR={addr}; set GLOO_SOCKET_IFNAME yourself")
 
 
 def current_env() -> DistEnv:

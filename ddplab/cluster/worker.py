@@ -55,6 +55,8 @@ import time
 import traceback
 from multiprocessing.connection import Connection
 
+from ddplab.cluster.results import to_cpu
+
 CONFIG_VAR = "DDPLAB_WORKER"
 
 # The namespace %%ddp cells run in on this rank; it lives as long as the rank.
@@ -77,19 +79,6 @@ def _die_with_parent(parent_pid: int) -> None:
             pass
     if os.getppid() != parent_pid:  # the kernel died before prctl took effect
         os._exit(1)
-
-
-def to_cpu(obj):
-    """Results travel to the kernel on CPU so the kernel never touches CUDA."""
-    import torch
-
-    if isinstance(obj, torch.Tensor):
-        return obj.detach().cpu()
-    if isinstance(obj, (list, tuple)) and type(obj) in (list, tuple):
-        return type(obj)(to_cpu(x) for x in obj)
-    if type(obj) is dict:
-        return {k: to_cpu(v) for k, v in obj.items()}
-    return obj
 
 
 def error_info(exc: BaseException, skip_frames: int = 1, elapsed: float = 0.0) -> dict:
@@ -177,6 +166,11 @@ class _Channel:
         return cloudpickle.loads(self.conn.recv_bytes())
 
 
+# The store waits this long at least: CUDA and NCCL start-up skew between ranks can pass
+# a short collective timeout (lab 06 uses 3 s), which must not fail the rendezvous.
+START_SKEW_S = 60.0
+
+
 def _init_group(cfg: dict) -> None:
     import torch
     import torch.distributed as dist
@@ -185,8 +179,8 @@ def _init_group(cfg: dict) -> None:
 
     torch.set_num_threads(cfg["threads"])
     # A fresh file in a mode-0700 directory: no listener, nothing another user can open.
-    store = dist.FileStore(cfg["store_path"], cfg["world_size"])
-    store.set_timeout(datetime.timedelta(seconds=cfg["timeout"]))
+    store = dist.FileStore(cfg["store_path"], cfg["world_size"])  # and, below, start-up skew
+    store.set_timeout(datetime.timedelta(seconds=max(cfg["timeout"], START_SKEW_S)))
     # nccl ranks: the GPU the kernel chose, and one group for CPU and CUDA tensors (backend.py).
     init_group(cfg["backend"], rank=cfg["rank"], world_size=cfg["world_size"],
                timeout=cfg["timeout"], gpu=cfg.get("gpu"), store=store)

@@ -10,8 +10,9 @@ methods works (``typing.Protocol``: structural, no inheritance needed).
 - ``EventRecorder.record(event, t, **info)``: stamps (see ``ddplab.sync.comm``
   for the events and their info). ``device_timer`` (optional, ``None`` when
   absent): on GPUs, a ``DeviceTimer`` that times collectives with device events.
-- ``Link.wrap(work, nbytes, group) -> LinkWork``: hand back a work that
-  completes no earlier than the modelled transfer.
+- ``Link.wrap(work, nbytes, group, device=None) -> LinkWork``: hand back a
+  work that completes no earlier than the modelled transfer, nor (on a GPU:
+  ``device``, the tensor's) before the real one.
 - ``LinkWork``: ``wait()``, ``get_future()`` like a torch ``Work``, and
   ``done_stamp()``: called when it completes, the extra info for the "done"
   stamp (``start``, ``simulated``, ``source``: who decided the end).
@@ -43,7 +44,7 @@ class LinkWork(Protocol):
 
 @runtime_checkable
 class Link(Protocol):
-    def wrap(self, work: Any, nbytes: int, group=None) -> LinkWork: ...
+    def wrap(self, work: Any, nbytes: int, group=None, device=None) -> LinkWork: ...
 
 
 class Observer(Protocol):

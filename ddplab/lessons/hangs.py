@@ -41,6 +41,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ddplab.sync import comm
+
 
 def skip_collective_on_rank(skip_rank: int = 1):
     """Every rank but ``skip_rank`` all-reduces a logged loss; ``skip_rank`` returns at once."""
@@ -164,6 +166,8 @@ def nccl_env_aliases() -> dict:
     return out
 
 
+# On the CPU on purpose, also on NCCL ranks: the simulated link decides what is timed.
+@comm.cpu_gradients_on_purpose()
 def straggler_no_sync_on_rank(use_no_sync: bool, pattern: str = "alternating", micro_batches: int = 4,
                               delay_s: float = 0.06, link: str = "1gbe", steps: int = 2,
                               n_params: float = 2.5e5) -> dict:
@@ -179,7 +183,6 @@ def straggler_no_sync_on_rank(use_no_sync: bool, pattern: str = "alternating", m
     from ddplab.netsim import LinkModel
     from ddplab.netsim.simulated import SimulatedLink
     from ddplab.sync.registry import build_strategy
-    from ddplab.sync import comm
 
     if pattern not in ("alternating", "constant"):
         raise ValueError(f"pattern must be 'alternating' or 'constant', got {pattern!r}")

@@ -36,6 +36,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ddplab.sync import comm
+
 D_IN, HIDDEN, D_OUT = 64, 256, 10
 
 
@@ -166,12 +168,13 @@ def pipeline_traffic_on_rank(batch_size: int, step=pipeline_step) -> dict:
             "param_bytes": sum(p.numel() * p.element_size() for p in stage.parameters())}
 
 
+# On the CPU on purpose, also on NCCL ranks: it counts bytes, which no device changes.
+@comm.cpu_gradients_on_purpose()
 def ddp_traffic_on_rank(batch_size: int, steps: int = 2) -> dict:
     """Gradient bytes torch DDP all-reduces per step (traced), training the whole model here."""
     import torch.distributed as dist
 
     from ddplab.sync.registry import build_strategy
-    from ddplab.sync import comm
 
     built = build_strategy("ddp", two_stage_model(), recorder=comm.ListRecorder())
     model, tracer = built.model, built.tracer

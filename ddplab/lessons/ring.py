@@ -48,6 +48,8 @@ def ring_all_reduce(tensor, group=None):
     Works for any length (chunks from ``torch.tensor_split`` differ by at most one
     element). Each step posts the send with ``isend`` and the receive with ``recv``,
     then waits for the send: no rank waits for its receiver before receiving itself.
+    Device tensors (NCCL) go as one ``batch_isend_irecv`` per step instead, as NCCL
+    asks of a send and a receive that must progress together.
     """
     import torch
     import torch.distributed as dist
@@ -57,21 +59,16 @@ def ring_all_reduce(tensor, group=None):
         return tensor
     flat = tensor.view(-1)  # a view: chunks below write into ``tensor`` itself
     chunks = torch.tensor_split(flat, p)
-    right, left = (rank + 1) % p, (rank - 1) % p
+    right, left = _peer((rank + 1) % p, group), _peer((rank - 1) % p, group)
+    # NCCL: a send and a receive that run at once must be one group of operations
+    # (batch_isend_irecv), or the ring can deadlock; gloo pairs them as they come.
+    grouped = tensor.device.type != "cpu"
     for step in range(p - 1):  # reduce-scatter: chunk (rank - step) goes right
         send, recv = chunks[(rank - step) % p], chunks[(rank - step - 1) % p]
-        incoming = torch.empty_like(recv)
-        work = dist.isend(send.contiguous(), _peer(right, group), group=group)
-        dist.recv(incoming, _peer(left, group), group=group)
-        work.wait()
-        recv.add_(incoming)
+        recv.add_(_exchange(send, recv, right, left, group, grouped))
     for step in range(p - 1):  # all-gather: the finished chunk (rank + 1 - step) goes right
         send, recv = chunks[(rank + 1 - step) % p], chunks[(rank - step) % p]
-        incoming = torch.empty_like(recv)
-        work = dist.isend(send.contiguous(), _peer(right, group), group=group)
-        dist.recv(incoming, _peer(left, group), group=group)
-        work.wait()
-        recv.copy_(incoming)
+        recv.copy_(_exchange(send, recv, right, left, group, grouped))
     return tensor
 
 
@@ -97,6 +94,24 @@ def send_waits_on_rank(delay_s: float = 0.5, numel: int = 1) -> dict:
         dist.recv(t, 0)
     dist.barrier()
     return {"backend": backend_name(), "send_s": took, "delay_s": delay_s, "numel": numel}
+
+
+def _exchange(send, like, right, left, group, grouped):
+    """Send ``send`` right while receiving a tensor shaped like ``like`` from the left."""
+    import torch
+    import torch.distributed as dist
+
+    incoming = torch.empty_like(like)
+    if grouped:
+        ops = [dist.P2POp(dist.isend, send.contiguous(), right, group),
+               dist.P2POp(dist.irecv, incoming, left, group)]
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+        return incoming
+    work = dist.isend(send.contiguous(), right, group=group)
+    dist.recv(incoming, left, group=group)
+    work.wait()
+    return incoming
 
 
 def _peer(group_rank, group):

@@ -6,7 +6,8 @@ Teaches, one function per question:
 - ``loss_and_grads``: is the loss synchronized? (no: each rank's loss is its
   own; the GRADIENTS are what DDP makes equal)
 - ``sync_order``: when exactly is the sync? (during backward, and finished
-  before ``loss.backward()`` returns; ``optimizer.step()`` waits for nothing)
+  before ``loss.backward()`` returns; ``optimizer.step()`` waits for nothing;
+  on NCCL the host sees only when each all-reduce was "enqueued")
 - ``traffic_by_batch_size``: does the batch size change the traffic? (no:
   every step all-reduces one gradient per parameter)
 - ``no_sync_traffic``: what does ``no_sync`` save, and is the result the same?
@@ -138,7 +139,8 @@ def sync_order_on_rank(strategy="bucketed", bucket_cap_mb=0.001):
     opt.step()
     marks["step_end"] = comm.now()
     events = [(name, t) for name, t in marks.items()]
-    for name in ("launch", "done", "wait_start", "wait_end"):
+    # "enqueued" instead of "done" on NCCL: a host stamp there is when the GPU was asked
+    for name in ("launch", "done", "enqueued", "wait_start", "wait_end"):
         times = [t for t, info in rec.of(name) if info.get("kind", "grad") == "grad"]
         if times:
             events += [(f"first {name}", min(times)), (f"last {name}", max(times))]
@@ -159,7 +161,8 @@ def traffic_on_rank(batch_size, strategy="bucketed", micro_steps=1, use_no_sync=
             last = k == micro_steps - 1
             quiet = model.no_sync() if use_no_sync and not last else contextlib.nullcontext()
             x, y = tiny_batch(dist.get_rank(), k, batch_size, torch.float32)
-            cast = (torch.autocast("cpu", dtype=autocast_dtype) if autocast_dtype
+            # autocast for the device the model runs on: a CPU autocast leaves CUDA ops alone
+            cast = (torch.autocast(x.device.type, dtype=autocast_dtype) if autocast_dtype
                     else contextlib.nullcontext())
             with quiet:
                 with cast:

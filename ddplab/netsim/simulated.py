@@ -14,6 +14,15 @@ thread then ends), and label every result "simulated". This module knows the
 choke point only through ``ddplab.contracts.protocols.Link``: it imports nothing above
 itself.
 
+On a GPU the real transfer's end is not known on the host (NCCL's future
+completes when the collective is queued), so the returned future is a CUDA
+future (``Future(devices=[...])``) completed only after the link's thread
+has made its stream wait for the real work (``work.wait()``, a stream
+wait): whoever uses the result, torch DDP's copy back into the gradients
+included, waits on the GPU for the real transfer and on the host for the
+modelled one. Its "done" stamp is then the modelled end, labelled
+"simulated"; the real end is the device timer's business.
+
 Leaves out: the link's effect on the real transfer itself (the two simply
 race, and the later one wins).
 """
@@ -32,11 +41,14 @@ from ddplab.netsim.link import LinkModel, LinkQueue
 class SimulatedWork:
     """A Work-like object: ``wait()`` and ``get_future()`` finish at max(real, modelled)."""
 
-    def __init__(self, work, sim_start: float, sim_end: float, clock: "_LinkClock"):
+    def __init__(self, work, sim_start: float, sim_end: float, clock: "_LinkClock", device=None):
         self._work = work
         self.sim_start, self.sim_end = sim_start, sim_end
-        self.real_end = None  # when the real transfer finished (set on completion)
-        self._future = torch.futures.Future()
+        # when the real transfer finished (set on completion); on a GPU only when it was queued
+        self.real_end = None
+        self.on_device = device is not None and torch.device(device).type != "cpu"
+        cuda = self.on_device and torch.device(device).type == "cuda"
+        self._future = torch.futures.Future(devices=[device]) if cuda else torch.futures.Future()
 
         def on_real(fut):
             self.real_end = now()
@@ -46,9 +58,11 @@ class SimulatedWork:
                 self._future.set_exception(exc)
                 return
             if self.sim_end <= now():
-                self._future.set_result(value)
+                self._future.set_result(value)  # a then-callback: its streams waited already
             else:  # the link's clock thread, never the backend's own thread, holds the delay
-                clock.complete_at(self.sim_end, self._future, value)
+                # (on a GPU that thread's stream first waits for the real transfer)
+                clock.complete_at(self.sim_end, self._future, value,
+                                  before=work.wait if self.on_device else None)
 
         work.get_future().then(on_real)
 
@@ -66,7 +80,8 @@ class SimulatedWork:
     def done_stamp(self) -> dict:
         """What the "done" stamp adds: when the link started the transfer, and
         whether the model ("simulated") or the slower real transfer ("cpu") ended it."""
-        real_decided = self.real_end is not None and self.real_end >= self.sim_end
+        real_decided = (not self.on_device and self.real_end is not None
+                        and self.real_end >= self.sim_end)  # a GPU's host stamp is enqueue time
         return {"start": self.sim_start, "simulated": True,
                 "source": "cpu" if real_decided else "simulated"}
 
@@ -88,12 +103,13 @@ class _LinkClock:
         self.thread = threading.Thread(target=self._run, daemon=True, name="ddplab-simulated-link")
         self.thread.start()
 
-    def complete_at(self, t: float, future, value) -> None:
+    def complete_at(self, t: float, future, value, before=None) -> None:
+        """Complete ``future`` with ``value`` at ``t``, calling ``before()`` first if given."""
         with self._cv:
             if self._stopping:  # too late for the queue: complete it now rather than never
-                future.set_result(value)
+                _complete(future, value, before)
                 return
-            heapq.heappush(self._heap, (t, next(self._seq), future, value))
+            heapq.heappush(self._heap, (t, next(self._seq), future, value, before))
             self._cv.notify()
 
     def stop(self, timeout: float | None = 10.0) -> None:
@@ -110,13 +126,19 @@ class _LinkClock:
                     self._cv.wait()
                 if not self._heap:  # stopping, and nothing is pending
                     return
-                t, _, future, value = self._heap[0]
+                t, _, future, value, before = self._heap[0]
                 delay = t - now()
                 if delay > 0:
                     self._cv.wait(timeout=delay)
                     continue
                 heapq.heappop(self._heap)
-            future.set_result(value)
+            _complete(future, value, before)
+
+
+def _complete(future, value, before) -> None:
+    if before is not None:
+        before()  # e.g. the real work's wait(): this thread's stream waits for the transfer
+    future.set_result(value)
 
 
 class SimulatedLink:
@@ -130,9 +152,9 @@ class SimulatedLink:
         self.queue = LinkQueue(model, world_size)
         self._clock = _LinkClock()
 
-    def wrap(self, work, nbytes: int, group=None) -> SimulatedWork:
+    def wrap(self, work, nbytes: int, group=None, device=None) -> SimulatedWork:
         start, end = self.queue.schedule(now(), nbytes)
-        return SimulatedWork(work, start, end, self._clock)
+        return SimulatedWork(work, start, end, self._clock, device)
 
     def describe(self) -> dict:
         return self.model.describe()

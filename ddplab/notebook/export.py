@@ -153,6 +153,9 @@ def _header(name: str, rec: Recording, side: str | None) -> str:
         "    torchrun --nnodes=2 --nproc-per-node=4 --rdzv-backend=c10d \\",
         f"        --rdzv-endpoint=HOST:PORT --rdzv-id=JOB {name}",
         "(HOST: an address of one machine that the other can reach; PORT: free there.)",
+        "torchrun gives local rank i GPU i whoever holds it: on a shared server name free",
+        f"GPUs first, e.g. CUDA_VISIBLE_DEVICES=2,3 torchrun --nproc-per-node={n} {name}",
+        "(python -m ddplab doctor lists who uses which GPU).",
     ]
     if side:
         lines += [f"Pushed values are in {side} beside this file: copy it along."]

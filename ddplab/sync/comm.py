@@ -42,6 +42,7 @@ from collections import Counter
 import torch
 import torch.distributed as dist
 
+from ddplab.cluster import backend as rank_backend
 from ddplab.contracts.clock import now
 from ddplab.contracts.protocols import EventRecorder, Link  # noqa: F401 - EventRecorder: what recorders look like
 
@@ -55,7 +56,10 @@ from ddplab.contracts.protocols import EventRecorder, Link  # noqa: F401 - Event
 # - "done": bucket, kind (and start, simulated=True, source over a simulated
 #   link): the result is available. It comes from a callback on the work's
 #   future, on the backend's own thread, so it may arrive out of order and
-#   while the main thread is still in backward;
+#   while the main thread is still in backward. For a CPU tensor (gloo);
+# - "enqueued": the same callback for a device tensor (NCCL): torch completes
+#   such a future once the collective is queued on the GPU, so its host stamp
+#   says nothing about when the transfer ran (a device timer says that);
 # - "wait_start" / "wait_end": the strategy's end-of-backward wait.
 # ``bucket`` is the bucket index (per-parameter strategies: the parameter's
 # index; None for broadcasts).
@@ -144,7 +148,7 @@ def _count(kind, nbytes, bucket):
 # ----------------------------------------------------------------------------
 # SIMULATED LINK: ddplab.netsim attaches here, and nowhere else.
 # ``set_link(link)`` installs a ``ddplab.contracts.protocols.Link``: ``wrap(work, nbytes,
-# group)`` returns a work completing no earlier than the modelled transfer.
+# group, device=...)`` returns a work completing no earlier than the modelled transfer.
 # The delay lives in that returned object, never in a sleep inside a hook, so
 # overlap with backward stays honest.
 # ----------------------------------------------------------------------------
@@ -175,11 +179,11 @@ def link():
     return _link
 
 
-def _after_launch(work, group, recorder, kind, nbytes, bucket, params):
-    """Route ``work`` over the simulated link (if any) and stamp launch and done."""
-    linked = _link is not None
-    if linked:
-        work = _link.wrap(work, nbytes, group)
+def _after_launch(work, group, recorder, kind, nbytes, bucket, params, device):
+    """Route ``work`` over the simulated link (if any) and stamp launch and done (or enqueued)."""
+    linked, on_device = _link is not None, device.type != "cpu"
+    if linked:  # the device: a GPU's simulated work must make the GPU wait for the real one
+        work = _link.wrap(work, nbytes, group, device=device)
     if recorder is None:
         return work
     recorder.record("launch", now(), bucket=bucket, kind=kind, nbytes=nbytes, params=tuple(params))
@@ -194,7 +198,9 @@ def _after_launch(work, group, recorder, kind, nbytes, bucket, params):
         # Over a simulated link the link says when the transfer started and who
         # decided its end (the model or the slower real transfer).
         extra = work.done_stamp() if linked else {}
-        recorder.record("done", now(), bucket=bucket, kind=kind, **extra)
+        # over a link the stamp is the modelled end (the GPU also waits for the real one)
+        event = "enqueued" if on_device and not linked else "done"
+        recorder.record(event, now(), bucket=bucket, kind=kind, **extra)
 
     work.get_future().then(stamp_done)
     return work
@@ -206,10 +212,26 @@ def _after_launch(work, group, recorder, kind, nbytes, bucket, params):
 _REQUIRE_DEVICE_GRADS = os.environ.get("DDPLAB_REQUIRE_DEVICE_GRADS") == "1"
 
 
-def _check_device(tensor, group, kind) -> None:
-    from ddplab.cluster.backend import backend_name
+def _nccl(group) -> bool:
+    return rank_backend.backend_name(group) == "nccl"
 
-    if kind == "grad" and tensor.device.type == "cpu" and backend_name(group) == "nccl":
+_cpu_on_purpose = 0  # open cpu_gradients_on_purpose() blocks (any thread: torch DDP's hooks too)
+
+
+@contextlib.contextmanager
+def cpu_gradients_on_purpose():
+    """Within the block, CPU gradients on an NCCL rank are intended: what the code shows does
+    not depend on the device (a float64 reference, bytes counted, a simulated link's wait)."""
+    global _cpu_on_purpose
+    _cpu_on_purpose += 1
+    try:
+        yield
+    finally:
+        _cpu_on_purpose -= 1
+
+
+def _check_device(tensor, group, kind) -> None:
+    if kind == "grad" and not _cpu_on_purpose and tensor.device.type == "cpu" and _nccl(group):
         raise RuntimeError(
             f"a gradient all-reduce on an NCCL rank carried a CPU tensor ({tuple(tensor.shape)}, "
             f"{tensor.dtype}): the model or its data stayed on the CPU. Put them on "
@@ -231,10 +253,16 @@ def all_reduce(tensor: torch.Tensor, group=None, async_op: bool = False, *, op=N
     else:
         nbytes = tensor.numel() * tensor.element_size()
     _count(kind, nbytes, bucket)
-    # Looked up now, not at import: whoever patches torch.distributed sees us.
-    work = dist.all_reduce(tensor, op=dist.ReduceOp.SUM if op is None else op, group=group,
-                           async_op=True)
-    work = _after_launch(work, group, recorder, kind, nbytes, bucket, params)
+    if tensor.is_sparse and _nccl(group):  # NCCL has no sparse all-reduce: gather instead
+        from ddplab.sync.sparse import all_reduce_by_gather
+
+        if op not in (None, dist.ReduceOp.SUM):
+            raise ValueError(f"a sparse all-reduce on an NCCL rank can only SUM, not {op}")
+        work = all_reduce_by_gather(tensor, group)
+    else:  # looked up now, not at import: whoever patches torch.distributed sees us
+        work = dist.all_reduce(tensor, op=dist.ReduceOp.SUM if op is None else op, group=group,
+                               async_op=True)
+    work = _after_launch(work, group, recorder, kind, nbytes, bucket, params, tensor.device)
     if async_op:
         return work
     work.wait()
@@ -247,7 +275,7 @@ def broadcast(tensor: torch.Tensor, src: int, group=None, async_op: bool = False
     nbytes = tensor.numel() * tensor.element_size()
     _count(kind, nbytes, None)
     work = dist.broadcast(tensor, src=src, group=group, async_op=True)
-    work = _after_launch(work, group, recorder, kind, nbytes, None, ())
+    work = _after_launch(work, group, recorder, kind, nbytes, None, (), tensor.device)
     if async_op:
         return work
     work.wait()

@@ -78,6 +78,9 @@ class DDPTracer:
 
     def _grad_ready(self, param) -> None:
         self.ready[id(param)] = comm.now()
+        timer = getattr(self.recorder, "device_timer", None)
+        if timer is not None:  # the same moment on the GPU's clock, for GPU-timed phases
+            self._ready_event = timer.phase_event()
 
     @staticmethod
     def _hook(state: "DDPTracer", bucket):
@@ -101,12 +104,15 @@ class DDPTracer:
         return work.get_future().then(divide)
 
     def end_iteration(self) -> dict:
-        """Call after backward: returns {"backward_compute_end": t, "n_buckets": n}."""
+        """Call after backward: returns {"backward_compute_end": t, "n_buckets": n} (and,
+        with a device timer, "backward_compute_end_event": the same moment as a GPU event)."""
         last = max(self.ready.values()) if self.ready else None
+        event, self._ready_event = getattr(self, "_ready_event", None), None
         self.ready = {}
         self.buckets_seen.append(self._current)
         self._current = []
-        return {"backward_compute_end": last, "n_buckets": len(self.buckets_seen[-1])}
+        return {"backward_compute_end": last, "n_buckets": len(self.buckets_seen[-1]),
+                "backward_compute_end_event": event}
 
     def iteration_flags(self) -> dict:
         """Iteration -> flags for the early iterations whose layout differs from the last."""

@@ -37,7 +37,11 @@ order and its negation, MAX), tells every rank whether all orders agreed;
 if not, backward raises an error naming where the orders first differ
 (the gradients of that step are wrong, so the step must not be taken).
 Cost: one 16-byte all-reduce per step, waited for with the others (about
-one all-reduce latency; over a simulated link its 2(p-1) alpha).
+one all-reduce latency; over a simulated link its 2(p-1) alpha). On a GPU,
+reading the answer at once would make the host wait for every all-reduce
+of the step, a sync torch's reducer does not make; there the answer is
+copied to the host without waiting and read at the next synchronizing
+backward, so the error comes one step late and says so.
 
 Leaves out, compared with torch's DistributedDataParallel: buckets and the
 fixed launch order (see above: detected, not prevented), and
@@ -70,6 +74,7 @@ class OverlapDDP(GradSyncModule):
     def __init__(self, module, process_group=None, broadcast_buffers: bool = True, recorder=None):
         super().__init__(module, process_group, broadcast_buffers, recorder)
         self._works: dict = {}  # parameter index -> work, in launch order
+        self._pending_check = None  # on a GPU: (host copy, its event, launch order), read later
 
     def _grad_ready(self, index, param):
         if index in self._works:  # its all-reduce has left with the first gradient
@@ -92,26 +97,54 @@ class OverlapDDP(GradSyncModule):
                                          recorder=self.recorder)
         for work in self._works.values():
             work.wait()
+        previous, self._pending_check = self._pending_check, None
         if check is not None:
             check_work.wait()
-            if check[0].item() != -check[1].item():  # some rank's fingerprint differs
-                raise self._order_error()
+            if self._read_later(check):
+                self._pending_check = self._copy_to_host(check) + (tuple(self._works),)
+            elif check[0].item() != -check[1].item():  # some rank's fingerprint differs
+                raise self._order_error(tuple(self._works))
+        if previous is not None:  # the previous step's answer (GPU), long finished by now
+            self._read_check(*previous)
 
-    def _order_error(self) -> RuntimeError:
+    @staticmethod
+    def _read_later(check) -> bool:
+        return check.device.type != "cpu"
+
+    @staticmethod
+    def _copy_to_host(check):
+        # pinned memory and no wait: the copy is queued behind the check's all-reduce
+        host = torch.empty(check.shape, dtype=check.dtype, pin_memory=check.is_cuda)
+        host.copy_(check, non_blocking=True)
+        done = torch.cuda.Event() if check.is_cuda else None
+        if done is not None:
+            done.record()
+        return host, done
+
+    def _read_check(self, host, done, order) -> None:
+        if done is not None:
+            done.synchronize()  # the previous step's copy: finished long ago
+        if host[0].item() != -host[1].item():
+            raise self._order_error(order, late=True)
+
+    def _order_error(self, order, late: bool = False) -> RuntimeError:
         # Only on the error path: every rank's whole order, to say where they part.
         rank, ws = dist.get_rank(self.process_group), self.world_size
         orders = torch.zeros(ws, len(self._params), dtype=torch.int64,
                              device=self._params[0].device)
-        orders[rank] = torch.tensor(list(self._works), device=orders.device)
+        orders[rank] = torch.tensor(list(order), device=orders.device)
         comm.all_reduce(orders, self.process_group, kind="launch_order")
         orders = orders.cpu()
         first = next(i for i in range(orders.shape[1]) if len(set(orders[:, i].tolist())) > 1)
         which = ", ".join(f"rank {r}: {self._names[orders[r, first]]}" for r in range(ws))
         return RuntimeError(
             f"OverlapDDP on rank {dist.get_rank()}: the ranks launched their per-parameter "
-            f"all-reduces in different orders in this backward; all-reduce number {first} was "
+            f"all-reduces in different orders in {'the previous' if late else 'this'} backward; "
+            f"all-reduce number {first} was "
             f"{which}. Ranks pair all-reduces by order, so they added up different parameters' "
-            "gradients and this step's gradients are wrong. The order gradients become ready "
+            + ("gradients, and the PREVIOUS step's gradients were wrong (on a GPU this is read one "
+               "step late, so that the host never waits for the all-reduces). " if late else
+               "gradients and this step's gradients are wrong. ") + "The order gradients become ready "
             "depends on the data here (layers applied in a data-dependent order?). Use "
             "BucketedDDP, which launches in a fixed order as torch's DDP does, or apply the "
             "layers in the same order on every rank.")

@@ -30,8 +30,10 @@ by the loss (torch handles hooks that fire with no gradient; here such a
 parameter counts as used and its missing gradient is reported as an
 error), torch's lazy wait on the used map (it waits only if some parameter
 was unused on this rank; here the small all-reduce, queued behind the last
-bucket, is always waited for, so no work is left pending), and the warning
-when nothing was unused.
+bucket, is always waited for, so no work is left pending: on NCCL that wait
+is a stream wait, and the map is read back to the host, as in torch, only
+when some parameter sat out on this rank), and the warning when nothing
+was unused.
 
 References: torch/csrc/distributed/c10d/reducer.cpp
 (``search_unused_parameters``, ``autograd_hook``, ``all_reduce_local_used_map``,
@@ -113,15 +115,22 @@ class UsedMap:
 
     def launch(self) -> None:
         """Start the all-reduce (SUM) of the map; every rank launches it at the same point."""
-        self._reduced = torch.tensor(list(self.local), dtype=torch.int32, device=self.device)
+        local = torch.tensor(list(self.local), dtype=torch.int32)
+        if local.device != torch.device(self.device or "cpu"):
+            # pinned and non_blocking, as torch's reducer copies its map: a copy from
+            # pageable memory would make the host wait for the GPU's queued work
+            local = local.pin_memory().to(self.device, non_blocking=True)
+        self._reduced = local
         # kind "used_map": not gradient payload, so comm_bytes_per_step is unchanged
         self._work = comm.all_reduce(self._reduced, self.group, async_op=True, kind="used_map",
                                      recorder=self.recorder)
 
     def unused_everywhere(self, candidates) -> set:
         """Those of ``candidates`` (indices) that got a gradient on no rank."""
-        self._work.wait()
-        counts = self._reduced.tolist()
+        self._work.wait()  # on NCCL a stream wait, not a host wait
+        if not candidates:  # as torch: read the map back only when something sat out here
+            return set()
+        counts = self._reduced.tolist()  # a host read (waits for the GPU), as in torch then
         return {i for i in candidates if counts[i] == 0}
 
     def reset(self) -> None:

@@ -3,24 +3,38 @@
 Teaches: on a GPU, ``dist.all_reduce(t, async_op=True)`` returns as soon as
 the collective is *queued* on NCCL's own stream. A CPU timestamp taken then
 (or when a future's callback runs) says when the host asked, not when NCCL
-ran. torch does not hand out NCCL's stream, but ``work.wait()`` makes the
-*current* stream wait for it. So:
+ran: ddplab calls such a stamp "enqueued". torch does not hand out NCCL's
+stream, but ``work.wait()`` makes the *current* stream wait for it. So:
 
-- start: an event recorded on the compute stream at launch (the collective
-  cannot start before the kernels that produced the gradients);
+- inputs ready: an event recorded on the compute stream at launch (the
+  collective cannot start before the kernels that produced the gradients);
 - end: on a side stream, ``work.wait()`` then an event; that event completes
   when NCCL's kernel has finished;
-- both are converted to this rank's CPU clock through a reference event
-  whose CPU time is known (recorded and synchronized once per recorder).
+- start: one process group's collectives run one after another on its NCCL
+  stream, so a bucket starts when its inputs are ready AND the collective
+  queued before it has ended (source ``cuda_event_queued``): the time a
+  bucket spends queued behind the previous one is not transfer time;
+- phases (forward, backward, the end-of-backward wait, step) from events on
+  the compute stream, all resolved together: every phase and every
+  completion of one rank is on that rank's device clock, never a mix of
+  host stamps and GPU events (a host stamp says when the CPU got there, and
+  the CPU runs ahead of the GPU by whatever is queued);
+- all of it is moved onto this rank's CPU clock through one reference event
+  whose CPU time is known (recorded and synchronized once per recorder),
+  so ranks can still be lined up.
 
 Stamps made this way carry the source ``cuda_event``. The alternative torch
 offers is ``TORCH_NCCL_ENABLE_TIMING=1`` and the work's duration; the
-profiler is the third. GPU-only: nothing here runs on a CPU-only machine, and
-the tests that exercise it are marked ``gpu``.
+profiler is the third. Cost: two events and a switch to the side stream per
+collective, paid by recorded runs only (``compare`` times strategies that
+need it unrecorded). Tests replace the few ``torch.cuda`` calls made here
+with a fake device (tests/_fake_cuda.py).
 
-Leaves out: overlap of several NCCL streams, multi-GPU ranks.
+Leaves out: several NCCL streams (torch uses one per group and device),
+multi-GPU ranks.
 References: torch.cuda.Event(enable_timing=True), Event.elapsed_time;
-torch.distributed Work.wait semantics on NCCL (stream wait, not host wait).
+torch.distributed Work.wait semantics on NCCL (stream wait, not host wait);
+ProcessGroupNCCL's one stream per device per group.
 """
 from __future__ import annotations
 
@@ -28,43 +42,48 @@ from ddplab.timeline.clock import now
 
 
 class CudaStamps:
-    """Events for one rank's all-reduces, resolved to CPU-clock seconds later."""
+    """Events for one rank's all-reduces and phases, resolved to CPU-clock seconds later."""
 
     def __init__(self, device=None):
         import torch
 
-        self.torch = torch
-        self.device = device if device is not None else torch.cuda.current_device()
-        self.side = torch.cuda.Stream(device=self.device)
-        self.pending: list = []  # (bucket, kind, start_event, end_event)
+        self.cuda = cuda = torch.cuda
+        self.device = device if device is not None else cuda.current_device()
+        self.side = cuda.Stream(device=self.device)
+        self.pending: list = []  # (bucket, kind, ready_event, end_event), in launch order
         self.phases: list = []  # (phase name, start_event, end_event)
+        self.splits: list = []  # (phase name, event, second phase name)
         # Reference: an event that has certainly completed at CPU time ref_cpu.
-        torch.cuda.synchronize(self.device)
-        self.ref = torch.cuda.Event(enable_timing=True)
+        cuda.synchronize(self.device)
+        self.ref = cuda.Event(enable_timing=True)
         self.ref.record()
         self.ref.synchronize()
         self.ref_cpu = now()
 
     def launched(self, work, bucket, kind) -> None:
         """Call right after the collective was queued."""
-        torch = self.torch
-        start = torch.cuda.Event(enable_timing=True)
-        start.record()  # compute stream: after the kernels that made the gradients
-        end = torch.cuda.Event(enable_timing=True)
-        self.side.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(self.side):
+        cuda = self.cuda
+        ready = cuda.Event(enable_timing=True)
+        ready.record()  # compute stream: after the kernels that made the gradients
+        end = cuda.Event(enable_timing=True)
+        self.side.wait_stream(cuda.current_stream(self.device))
+        with cuda.stream(self.side):
             work.wait()  # the side stream now waits for NCCL's stream
             end.record(self.side)
-        self.pending.append((bucket, kind, start, end))
+        self.pending.append((bucket, kind, ready, end))
 
     def phase_event(self):
         """An event recorded now on the compute stream (a phase boundary as the GPU sees it)."""
-        e = self.torch.cuda.Event(enable_timing=True)
+        e = self.cuda.Event(enable_timing=True)
         e.record()
         return e
 
     def add_phase(self, name, start_event, end_event) -> None:
         self.phases.append((name, start_event, end_event))
+
+    def add_split(self, name, event, second) -> None:
+        """Cut phase ``name`` at ``event``: the rest becomes phase ``second``."""
+        self.splits.append((name, event, second))
 
     def to_cpu_clock(self, event) -> float:
         return self.ref_cpu + self.ref.elapsed_time(event) / 1000.0
@@ -73,13 +92,23 @@ class CudaStamps:
         """Synchronize once and hand the recorder GPU-timed phases and completions."""
         if not self.pending and not self.phases:
             return
-        self.torch.cuda.synchronize(self.device)
-        for name, start, end in self.phases:
-            recorder.set_phase(name, self.to_cpu_clock(start), self.to_cpu_clock(end), "cuda_event")
+        self.cuda.synchronize(self.device)
+        t = self.to_cpu_clock
+        spans = {name: (t(start), t(end)) for name, start, end in self.phases}
+        for name, event, second in self.splits:
+            if name in spans:
+                start, end = spans[name]
+                cut = min(max(t(event), start), end)
+                spans[name], spans[second] = (start, cut), (cut, end)
+        for name, (start, end) in spans.items():
+            recorder.set_phase(name, start, end, "cuda_event")
         self.phases.clear()
-        for bucket, kind, start, end in self.pending:
-            t_start = self.ref_cpu + self.ref.elapsed_time(start) / 1000.0
-            t_end = self.ref_cpu + self.ref.elapsed_time(end) / 1000.0
+        self.splits.clear()
+        stream_free = None  # the previous collective's end on the group's NCCL stream
+        for bucket, kind, ready, end in self.pending:
+            t_ready, t_end = t(ready), t(end)
+            t_start = t_ready if stream_free is None else min(max(t_ready, stream_free), t_end)
+            stream_free = t_end
             recorder.record("done", t_end, bucket=bucket, kind=kind, start=t_start,
-                            source="cuda_event")
+                            source="cuda_event", start_source="cuda_event_queued")
         self.pending.clear()

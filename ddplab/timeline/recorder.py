@@ -10,7 +10,9 @@ On GPUs a CPU stamp is only when the host enqueued the all-reduce. Torch does
 not expose NCCL's stream, so completion comes from a CUDA event recorded
 after ``work.wait()`` on a side stream (source ``cuda_event``), and is
 labelled so; ``TORCH_NCCL_ENABLE_TIMING=1`` with the work's duration is the
-alternative torch offers.
+alternative torch offers. With a device timer every phase of an iteration,
+the end-of-backward wait included, is taken from device events, so the
+phases are on one clock (``cuda_events``).
 
 A recorder that is off costs one attribute check per event: the choke point
 holds ``None`` instead of a recorder.
@@ -84,14 +86,21 @@ class Recorder:
         """(start, end) of ``name`` in the current iteration, or None."""
         return None if self._it is None else self._it.phases.get(name)
 
-    def split_phase(self, name: str, at: float, second: str, source: str = "derived") -> bool:
+    def split_phase(self, name: str, at: float, second: str, source: str = "derived",
+                    event=None) -> bool:
         """Cut the current iteration's phase ``name`` at ``at``: ``name`` keeps the
         first part, ``second`` gets the rest (stamped with ``source``).
 
         E.g. torch DDP waits for its buckets INSIDE backward: its last grad-ready
         splits "backward" into backward's compute and the "wait". Returns False
-        (and changes nothing) when ``at`` is not inside the phase.
+        (and changes nothing) when ``at`` is not inside the phase. With a device
+        timer the phases are GPU times, so the cut needs the device ``event``
+        recorded at that moment; a host time alone is refused (False), never mixed in.
         """
+        if self.device_timer is not None:
+            if event is None or self._it is None:
+                return False
+            self.device_timer.add_split(name, event, second)
         span = self.phase_span(name)
         if span is None or at is None or not span[0] <= at <= span[1]:
             return False
@@ -170,14 +179,20 @@ class Recorder:
             self.launch(info["bucket"], info.get("nbytes", 0), info.get("params", ()), t)
         elif event == "done" and kind == "grad" and info.get("bucket") is not None:
             self.comm_done(info["bucket"], t, source=info.get("source", "cpu"),
-                           start=info.get("start"), simulated=info.get("simulated", False))
+                           start=info.get("start"), start_source=info.get("start_source"),
+                           simulated=info.get("simulated", False))
         elif event == "wait_start":
             self._wait_start = t
+            gpu = self.device_timer  # the wait as the GPU sees it, on the phases' clock
+            self._wait_event = gpu.phase_event() if gpu is not None else None
         elif event == "wait_end" and self._it is not None:
             start = getattr(self, "_wait_start", None)
             self._it.phases["wait"] = (t if start is None else start, t)
             self._it.sources["wait"] = "cpu"
             self._wait_start = None
+            if getattr(self, "_wait_event", None) is not None:
+                self.device_timer.add_phase("wait", self._wait_event, self.device_timer.phase_event())
+                self._wait_event = None
 
     def result(self) -> Timeline:
         self.end_iteration()
