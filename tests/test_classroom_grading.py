@@ -19,8 +19,6 @@ MISTAKES = {  # student -> (line of the solution, what replaces it), the mistake
     "collective": (("    chunks = torch.tensor_split(t, p)",
                     "    dist.all_reduce(t)\n    return\n    chunks = torch.tensor_split(t, p)"),
                    ring.COLLECTIVE),
-    "noallgather": (("for s in range(p - 1):  # all-gather", "for s in range(0):  # all-gather"),
-                    ring.NO_ALLGATHER),
 }
 
 
