@@ -50,14 +50,22 @@ def solved(lab: str = LAB, change=None):
     """The exercise with every solution cell written as the lab's solution (``change`` edits it)."""
     nb = exercise(lab)
     sources = {c.id: c.source for c in nbformat.read(ROOT / "labs" / f"{lab}.ipynb", as_version=4).cells}
+    changed = 0
     for cell in nb.cells:
         if cell.metadata.get("nbgrader", {}).get("solution"):
             cell.source = sources[cell.id]
-            if change is not None:
-                old, new = change
-                assert old in cell.source, f"{old!r} is not in the solution of {lab}"
-                cell.source = cell.source.replace(old, new, 1)
+            if change is not None and change[0] in cell.source:
+                cell.source = cell.source.replace(change[0], change[1], 1)
+                changed += 1
+    assert change is None or changed == 1, f"{change[0]!r} is not in one solution of {lab}"
     return nb
+
+
+def points(lab: str = LAB) -> dict:
+    """grade_id -> points of every grader cell in the lab's source notebook."""
+    nb = nbformat.read(ROOT / "labs" / f"{lab}.ipynb", as_version=4)
+    return {c.metadata.nbgrader["grade_id"]: c.metadata.nbgrader["points"] for c in nb.cells
+            if c.metadata.get("nbgrader", {}).get("grade")}
 
 
 def submit(course: Path, student: str, nb, lab: str = LAB) -> None:

@@ -15,10 +15,10 @@ import _classroom as room
 pytestmark = [pytest.mark.slow, pytest.mark.hub, pytest.mark.skipif(
     not os.environ.get("DDPLAB_HUB_TEST"), reason="runs under make test-hub (DDPLAB_HUB_TEST=1)")]
 
-MISTAKES = {  # student -> (line of the solution, what replaces it), the mistake the grader names
+MISTAKES = {  # student -> ((line of a solution, what replaces it), the mistake, the grader that names it)
     "collective": (("    chunks = torch.tensor_split(t, p)",
                     "    dist.all_reduce(t)\n    return\n    chunks = torch.tensor_split(t, p)"),
-                   ring.COLLECTIVE),
+                   ring.COLLECTIVE, "check_my_ring_all_reduce"),
 }
 
 
@@ -31,11 +31,12 @@ def test_autograde_solution_untouched_and_planted_mistakes(tmp_path):
     for student, (change, _) in MISTAKES.items():
         room.submit(course, student, room.solved(change=change))
     scores = room.instructor_grade(course, ["solution", "untouched", *MISTAKES])
-    assert scores["solution"] == 1.0
+    full = sum(room.points().values())
+    assert full >= 1 and scores["solution"] == full
     assert scores["untouched"] == 0.0
     assert "not implemented yet" in room.feedback(course, "untouched")
-    for student, (_, mistake) in MISTAKES.items():
-        assert scores[student] == 0.0, student
+    for student, (_, mistake, grader) in MISTAKES.items():
+        assert scores[student] == full - room.points()[grader], student
         assert mistake in room.feedback(course, student), student
 
 

@@ -10,7 +10,7 @@ CPU (this torch has no CUDA) while CUDA_VISIBLE_DEVICES still says which GPU the
    written in; bob's is untouched); both run its Cluster cell, a %%ddp cell and the grader at
    the same time.
 2. Each %%ddp output shows that learner's GPU, never the other's.
-3. The instructor autogrades both notebooks: ann 1 point, bob 0, in the gradebook.
+3. The instructor autogrades both notebooks: ann full marks, bob 0, in the gradebook.
 4. The idle culler stops both servers: no rank of theirs is left.
 5. The hub stops; no process it started is left.
 """
@@ -109,6 +109,10 @@ def test_two_learners_on_a_real_hub_then_autograde_then_cull(tmp_path):
     # the learners' servers get the hub's PATH: keep the fake nvidia-smi out of theirs
     (folder / "jupyterhub_config.py").write_text((folder / "jupyterhub_config.py").read_text().replace(
         "'PATH': os.environ.get('PATH', '')", f"'PATH': {env['PATH']!r}"))
+    # the ports are chosen now, not before the slow steps above (other jobs take free ports)
+    port = free_port()
+    config = folder / "jupyterhub_config.py"
+    config.write_text(re.sub(r"c.JupyterHub.port = \d+", f"c.JupyterHub.port = {port}", config.read_text()))
     log = open(folder / "hub.log", "w")
     hub = subprocess.Popen([sys.executable, "-m", "jupyterhub", "-f", "jupyterhub_config.py"],
                            cwd=folder, env=hub_env, stdout=log, stderr=subprocess.STDOUT,
@@ -160,7 +164,7 @@ def test_two_learners_on_a_real_hub_then_autograde_then_cull(tmp_path):
         for user in GPU_OF:
             room.submit(course, user, nbformat.read(folder / "homes" / user / f"{room.LAB}.ipynb", 4))
         scores = room.instructor_grade(course, list(GPU_OF))
-        assert scores == {"ann": 1.0, "bob": 0.0}
+        assert scores == {"ann": float(sum(room.points().values())), "bob": 0.0}
         # the culler stops both idle servers; their kernels' ranks go with them
         _wait(lambda: not any(api(url, token, f"/users/{u}")["servers"] for u in GPU_OF), 180,
               "the idle culler did not stop the servers", folder)
