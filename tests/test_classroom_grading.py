@@ -28,7 +28,7 @@ def test_autograde_solution_untouched_and_planted_mistakes(tmp_path):
                             "--cpu-only", "--proxy", _any_executable()) / "course"
     room.submit(course, "solution", room.solved())
     room.submit(course, "untouched", room.exercise())
-    for student, (change, _) in MISTAKES.items():
+    for student, (change, _, _) in MISTAKES.items():
         room.submit(course, student, room.solved(change=change))
     scores = room.instructor_grade(course, ["solution", "untouched", *MISTAKES])
     full = sum(room.points().values())

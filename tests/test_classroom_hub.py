@@ -14,6 +14,7 @@ CPU (this torch has no CUDA) while CUDA_VISIBLE_DEVICES still says which GPU the
 4. The idle culler stops both servers: no rank of theirs is left.
 5. The hub stops; no process it started is left.
 """
+import json
 import os
 import re
 import signal
@@ -28,7 +29,7 @@ import psutil
 import pytest
 
 import _classroom as room
-from _browser import KERNEL_IDLE_JS, chromium, free_port, require_browser
+from _browser import KERNEL_IDLE_JS, LAB_SETTINGS, chromium, free_port, require_browser
 
 pytestmark = [pytest.mark.slow, pytest.mark.hub, pytest.mark.skipif(
     not os.environ.get("DDPLAB_HUB_TEST"), reason="runs under make test-hub (DDPLAB_HUB_TEST=1)")]
@@ -101,6 +102,11 @@ def test_two_learners_on_a_real_hub_then_autograde_then_cull(tmp_path):
     fake_smi(fakebin, 2)
     notebooks = {}
     for user in GPU_OF:
+        # every cell stays in the page (JupyterLab's windowing would leave far cells unrendered)
+        settings = folder / "homes" / user / ".jupyter" / "lab" / "user-settings" / "@jupyterlab"
+        for rel, content in LAB_SETTINGS.items():
+            (settings.parent / rel).parent.mkdir(parents=True, exist_ok=True)
+            (settings.parent / rel).write_text(json.dumps(content))
         nb, first = notebook_for(user)
         nbformat.write(nb, folder / "homes" / user / f"{room.LAB}.ipynb")
         notebooks[user] = first

@@ -148,6 +148,7 @@ def render(*, folder: str, users: list[str], admin: str, gpus_per_learner: int, 
         "                                       'delete:servers']}]",
         "c.JupyterHub.services = [{'name': 'idle-culler', 'command': [",
         f"    PYTHON, '-m', 'jupyterhub_idle_culler', '--timeout={idle_timeout}',",
+        "    '--url=http://127.0.0.1:%d/hub/api' % c.JupyterHub.hub_port,  # its default is 8081",
         f"    '--cull-every={max(5, min(60, idle_timeout // 3))}']}}]",
         "",
     ]
