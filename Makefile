@@ -9,7 +9,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.ddplab-installed
 
 .PHONY: lab test test-fast test-unit test-labs test-browser check test-unit-more test-labs-more test-labs-ws1 \
-	test-gpu handouts exercises bench clean
+	test-hub test-gpu handouts exercises bench clean
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -80,6 +80,13 @@ test-labs-more: $(STAMP)
 # saying so (on CPU, GPU-only cells skip as well).
 test-labs-ws1: $(STAMP)
 	DDPLAB_WORLD_SIZE=1 $(call pytest_or_say_empty,-q $(NBVAL) $(LABS))
+
+# A real JupyterHub from `python -m ddplab classroom`: two learners in Chromium, nbgrader
+# autograde, the idle culler. The proxy is npm's configurable-http-proxy from proxy/'s lockfile.
+test-hub: $(STAMP)
+	$(PY) -m pip install --quiet -c constraints.txt -e '.[classroom]'
+	npm ci --prefix proxy --no-audit --no-fund
+	DDPLAB_HUB_TEST=1 $(PY) -m pytest -q tests/test_classroom_hub.py tests/test_classroom_grading.py
 
 # On a GPU machine: the CUDA build of torch already installed there (never the CPU pin),
 # the other dependencies from PyPI or from a folder of wheels (make test-gpu WHEELS=dir).

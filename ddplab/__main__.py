@@ -1,4 +1,4 @@
-"""Command line: ``python -m ddplab doctor`` and ``python -m ddplab compare``."""
+"""Command line: ``python -m ddplab doctor``, ``compare`` and ``classroom``."""
 from __future__ import annotations
 
 import argparse
@@ -15,7 +15,13 @@ def main(argv=None) -> int:
 
     cmp = sub.add_parser("compare", help="every strategy side by side in one run (JSON, trace, HTML)")
     add_arguments(cmp)
+    from ddplab.course import classroom
+
+    room = sub.add_parser("classroom", help="a JupyterHub + nbgrader set-up for a class on one server")
+    classroom.add_arguments(room)
     args = parser.parse_args(argv)
+    if args.command == "classroom":
+        return classroom.run(args, room)
     if args.command == "compare":
         from ddplab.cli.compare import run
 

@@ -38,7 +38,8 @@ MODULES = {
                           "pipeline", "reducer_map", "ring", "watch", "workload"]},
     # the front doors: they may use everything below
     8: {"ddplab.notebook": ["", "completion", "ddpcell", "export", "magics", "rankview"],
-        "ddplab.course": ["", "exercises", "handouts", "labsetup"],
+        "ddplab.course": ["", "classroom", "classroom_readme", "exercises", "handouts", "hubconfig",
+                          "labsetup", "seats"],
         "ddplab.cli": ["", "compare", "doctor"],
         "ddplab": ["", "__main__", "_moved"]},
 }

@@ -103,8 +103,9 @@ def _choose(world_size, backend, gpus, found, own_pids, taken) -> Placement:
     if backend == "auto":
         if len(free) >= world_size:
             return Placement("nccl", tuple(g.index for g in free[:world_size]))
-        if not found:
-            return Placement("gloo")  # a CPU machine: nothing to explain
+        if not found:  # a CPU machine, or a classroom seat without GPUs (its hub says why)
+            seat_note = os.environ.get("DDPLAB_SEAT_NOTE", "")
+            return Placement("gloo", (), (seat_note,) if seat_note else ())
         why = (f"backend='auto' chose gloo (CPU): {world_size} rank(s) need {world_size} free "
                f"GPU(s), {len(free)} of {len(found)} are free"
                + (" (" + "; ".join(reasons) + ")" if reasons else "")

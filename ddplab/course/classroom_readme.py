@@ -1,0 +1,51 @@
+"""The instructor's README that ``python -m ddplab classroom`` writes beside the hub's config.
+
+Teaches the order of a class day in commands (start the hub, release, collect,
+autograde, feedback) with this folder's own paths filled in. docs/classroom.md
+has the long version (accounts, TLS, systemd, sizing). Leaves out everything
+that is not a command to run.
+"""
+from __future__ import annotations
+
+import sys
+
+
+def readme(folder, names, gpus_per_learner, args) -> str:
+    py = sys.executable
+    seats = (f"{gpus_per_learner} GPU(s) each while free GPU sets last (GPUs another process uses "
+             "are skipped); learners after that run on CPU and are told so when their first "
+             "Cluster starts" if gpus_per_learner else "CPU only (gloo)")
+    mem = ("enforced (systemd units)" if args.spawner == "systemd"
+           else "NOT enforced: the local-process spawner ignores mem_limit")
+    return f"""# A ddplab class: {len(names)} learner(s)
+
+Written by `python -m ddplab classroom`. docs/classroom.md in ddplab explains every choice.
+
+- Learners: {', '.join(names[:8])}{' ...' if len(names) > 8 else ''}; admin: {args.instructor}.
+- Seats: {seats}; {args.threads} CPU(s) per learner (affinity); memory {args.mem_gib} GiB {mem}.
+- Hub: http://{args.ip}:{args.port}/ (proxy), hub API and proxy API on 127.0.0.1 only.
+- Idle servers stop after {args.idle_timeout} s (jupyterhub-idle-culler): their ranks and seat go too.
+
+## Start and stop
+
+    cd {folder}
+    {py} -m jupyterhub -f jupyterhub_config.py     # Ctrl-C stops the hub and every server
+
+## The exercises with nbgrader (from course/)
+
+    cd {folder}/course
+    export PATH={py.rsplit('/', 1)[0]}:$PATH         # nbgrader's gradebook runs `alembic`
+    nbgrader db student import roster.csv            # the learners, in the gradebook
+    nbgrader generate_assignment 00-first-process-group   # once per lab you hand out
+    nbgrader release_assignment 00-first-process-group
+    # learners: Assignments tab (or `nbgrader fetch_assignment` / `submit` in a terminal)
+    nbgrader collect 00-first-process-group          # into submitted/<learner>/<lab>/
+    nbgrader autograde 00-first-process-group        # one notebook at a time, on live ranks
+    nbgrader generate_feedback 00-first-process-group
+    nbgrader release_feedback 00-first-process-group
+    nbgrader export                                  # grades.csv
+
+A learner's score for a lab is the number of its graders that pass; a failing grader's
+feedback shows the CheckFailed message that names the mistake (e.g. "no division by world
+size").
+"""

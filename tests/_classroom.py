@@ -1,0 +1,105 @@
+"""The instructor's side of a class, as the classroom tests drive it: nbgrader on a course folder.
+
+``make_room`` runs ``python -m ddplab classroom``; ``instructor_grade`` does what the instructor's
+README says (students into the gradebook, generate the assignment, autograde the submissions
+found under ``submitted/<student>/<assignment>/``) and returns each student's score from the
+gradebook. nbgrader runs as a command, the way an instructor runs it; its gradebook migrations
+run ``alembic``, which is found on PATH only, so the venv's bin goes first on PATH.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import nbformat
+
+ROOT = Path(__file__).resolve().parents[1]
+LAB = "00-first-process-group"
+
+
+def env() -> dict:
+    return dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+                PATH=str(Path(sys.executable).parent) + os.pathsep + os.environ.get("PATH", ""),
+                PYTHONUNBUFFERED="1")
+
+
+def make_room(folder: Path, *args: str) -> Path:
+    out = subprocess.run([sys.executable, "-m", "ddplab", "classroom", str(folder), *args],
+                         capture_output=True, text=True, env=env(), timeout=120)
+    assert out.returncode == 0, out.stderr
+    return folder
+
+
+def nbgrader(course: Path, *args: str, timeout=600) -> subprocess.CompletedProcess:
+    out = subprocess.run([sys.executable, "-m", "nbgrader", *args], cwd=course, capture_output=True,
+                         text=True, env=env(), timeout=timeout)
+    assert out.returncode == 0, f"nbgrader {' '.join(args)} failed:\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}"
+    return out
+
+
+def exercise(lab: str = LAB):
+    """The released exercise notebook (what `nbgrader fetch_assignment` gives a learner)."""
+    return nbformat.read(ROOT / "labs" / "exercises" / f"{lab}.ipynb", as_version=4)
+
+
+def solved(lab: str = LAB, change=None):
+    """The exercise with every solution cell written as the lab's solution (``change`` edits it)."""
+    nb = exercise(lab)
+    sources = {c.id: c.source for c in nbformat.read(ROOT / "labs" / f"{lab}.ipynb", as_version=4).cells}
+    changed = 0
+    for cell in nb.cells:
+        if cell.metadata.get("nbgrader", {}).get("solution"):
+            cell.source = sources[cell.id]
+            if change is not None and change[0] in cell.source:
+                cell.source = cell.source.replace(change[0], change[1], 1)
+                changed += 1
+    assert change is None or changed == 1, f"{change[0]!r} is not in one solution of {lab}"
+    return nb
+
+
+def points(lab: str = LAB) -> dict:
+    """grade_id -> points of every grader cell in the lab's source notebook."""
+    nb = nbformat.read(ROOT / "labs" / f"{lab}.ipynb", as_version=4)
+    return {c.metadata.nbgrader["grade_id"]: c.metadata.nbgrader["points"] for c in nb.cells
+            if c.metadata.get("nbgrader", {}).get("grade")}
+
+
+def submit(course: Path, student: str, nb, lab: str = LAB) -> None:
+    """What `nbgrader collect` leaves: submitted/<student>/<assignment>/<notebook>."""
+    folder = course / "submitted" / student / lab
+    folder.mkdir(parents=True, exist_ok=True)
+    nbformat.write(nb, folder / f"{lab}.ipynb")
+
+
+def instructor_grade(course: Path, students: list[str], lab: str = LAB) -> dict:
+    """Gradebook scores after importing the roster, generating and autograding ``lab``."""
+    nbgrader(course, "db", "student", "import", "roster.csv")
+    nbgrader(course, "generate_assignment", lab, "--force")
+    nbgrader(course, "autograde", lab, "--force")
+    return scores(course, students, lab)
+
+
+def scores(course: Path, students: list[str], lab: str = LAB) -> dict:
+    from nbgrader.api import Gradebook
+
+    with Gradebook(f"sqlite:///{course / 'gradebook.db'}") as gb:
+        return {s: gb.find_submission(lab, s).score for s in students}
+
+
+def feedback(course: Path, student: str, lab: str = LAB) -> str:
+    """Every output text of the autograded notebook (what generate_feedback turns into HTML)."""
+    nb = json.loads((course / "autograded" / student / lab / f"{lab}.ipynb").read_text())
+    texts = []
+    for cell in nb["cells"]:
+        for out in cell.get("outputs", []):
+            texts.append("".join(out.get("text", "")) + out.get("evalue", "")
+                         + "".join(out.get("traceback", [])))
+    return "\n".join(texts)
+
+
+def remove(folder: Path) -> None:
+    shutil.rmtree(folder, ignore_errors=True)
