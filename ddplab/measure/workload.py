@@ -22,12 +22,7 @@ models that need arguments (wrap them: ``lambda: Net(width=512)``).
 from __future__ import annotations
 
 import functools
-import importlib
-import importlib.util
 import inspect
-import os
-import re
-import sys
 
 CPU_CHECK_PARAMS = 50_000_000  # above this the check runs on the meta device
 
@@ -56,21 +51,9 @@ def load_callable(where_name: str, what: str = "model"):
     where, _, attr = where_name.rpartition(":")
     if not where or not attr:
         raise ValueError(f"--{what} takes a built-in name or FILE.py:NAME, got {where_name!r}")
-    if where.endswith(".py") or os.sep in where:
-        if not os.path.isfile(where):
-            raise ValueError(f"no such file {where!r} (from --{what} {where_name!r})")
-        mod_name = "ddplab_user_" + re.sub(r"\W", "_", os.path.abspath(where))
-        module = sys.modules.get(mod_name)
-        if module is None:
-            loader = importlib.util.spec_from_file_location(mod_name, where)
-            module = importlib.util.module_from_spec(loader)
-            sys.modules[mod_name] = module
-            loader.loader.exec_module(module)
-    else:
-        module = importlib.import_module(where)
-    import cloudpickle
+    from ddplab.sync.registry import load_user_module
 
-    cloudpickle.register_pickle_by_value(module)
+    module = load_user_module(where, f"--{what} {where_name!r}")
     obj = getattr(module, attr, None)
     if not callable(obj):
         raise ValueError(f"{where_name!r}: {where} has no function {attr!r}")

@@ -142,18 +142,13 @@ def build_strategy(name, module, **options) -> Built:
     return get_strategy(name)(module, **options)
 
 
-def load_strategy(spec: str) -> Strategy:
-    """``"path/to/file.py:name"`` or ``"package.module:name"``: a strategy defined in a file.
-
-    ``name`` is a Strategy, a registered name, or a build function. The file's
-    module is pickled by value, so ranks that cannot import it still get it.
-    """
-    where, _, attr = spec.rpartition(":")
-    if not where or not attr:
-        raise ValueError(f"a strategy from a file looks like FILE.py:NAME or module:NAME, got {spec!r}")
+def load_user_module(where: str, origin: str):
+    """The module at ``where`` (a ``.py`` path or a dotted name), registered to pickle by
+    value so that ranks which cannot import it still get its functions. ``origin`` names
+    the option that asked for it, for the error message."""
     if where.endswith(".py") or os.sep in where:
         if not os.path.isfile(where):
-            raise ValueError(f"no such file {where!r} (from strategy {spec!r})")
+            raise ValueError(f"no such file {where!r} (from {origin})")
         mod_name = "ddplab_user_" + re.sub(r"\W", "_", os.path.abspath(where))
         module = sys.modules.get(mod_name)
         if module is None:
@@ -166,6 +161,19 @@ def load_strategy(spec: str) -> Strategy:
     import cloudpickle
 
     cloudpickle.register_pickle_by_value(module)
+    return module
+
+
+def load_strategy(spec: str) -> Strategy:
+    """``"path/to/file.py:name"`` or ``"package.module:name"``: a strategy defined in a file.
+
+    ``name`` is a Strategy, a registered name, or a build function. The file's
+    module is pickled by value, so ranks that cannot import it still get it.
+    """
+    where, _, attr = spec.rpartition(":")
+    if not where or not attr:
+        raise ValueError(f"a strategy from a file looks like FILE.py:NAME or module:NAME, got {spec!r}")
+    module = load_user_module(where, f"strategy {spec!r}")
     obj = getattr(module, attr, None)
     if obj is None and attr in _REGISTRY:  # the file registered it under that name
         return _REGISTRY[attr]
