@@ -9,7 +9,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.ddplab-installed
 
 .PHONY: lab test test-fast test-unit test-labs test-browser check test-unit-more test-labs-more test-labs-ws1 \
-	test-hub test-gpu handouts exercises bench clean
+	test-hub test-gpu test-graders handouts exercises bench clean
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -87,6 +87,10 @@ test-hub: $(STAMP)
 	$(PY) -m pip install --quiet -c constraints.txt -e '.[classroom]'
 	npm ci --prefix proxy --no-audit --no-fund
 	DDPLAB_HUB_TEST=1 $(PY) -m pytest -q tests/test_classroom_hub.py tests/test_classroom_grading.py
+
+# Every exercise's grader against its mutation catalogue (correct and wrong solutions) on live ranks.
+test-graders: $(STAMP)
+	PYTHONPATH=. $(PY) tests/graders_catalogue.py
 
 # On a GPU machine: the CUDA build of torch already installed there (never the CPU pin),
 # the other dependencies from PyPI or from a folder of wheels (make test-gpu WHEELS=dir).

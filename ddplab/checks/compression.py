@@ -21,9 +21,11 @@ A wrong future is caught before torch's reducer sees it (the bucket then
 gets its own, unreduced buffer), so a mistake is named instead of crashing
 the ranks.
 
+- that it is ASYNC: a blocking all-reduce, or ``work.wait()``, inside the hook
+  (then wrapped in a finished Future) is named.
+
 Leaves out: stateful hooks (PowerSGD), hooks that use ``GradBucket.set_buffer``,
-and timing (a hook that waits inside is not flagged here; lab 02's grader
-is the one that looks at overlap).
+a ``future.wait()`` inside the hook (not seen), and timing.
 """
 from __future__ import annotations
 
@@ -39,6 +41,8 @@ DIVIDED_TWICE = "divided twice"
 NOT_REDUCED = "nothing was all-reduced"
 NOT_COMPRESSED = "no compression: as many bytes as the float32 bucket"
 WRONG = "the result differs from the mean over ranks by more than rounding"
+NOT_ASYNC = "the all-reduce finished inside the hook (not async)"
+WRONG_SHAPE = "the future's value is not shaped like the bucket"
 
 EXPLAIN = {
     NOT_A_FUTURE: "return the future of an ASYNC all-reduce: "
@@ -54,6 +58,12 @@ EXPLAIN = {
     NOT_REDUCED: "each rank kept its own gradient: all-reduce the (compressed) bucket.",
     NOT_COMPRESSED: "cast the bucket to torch.float16 or torch.bfloat16 before the all-reduce.",
     WRONG: "",
+    NOT_ASYNC: "the hook must return at once with the all-reduce still in flight, so that torch "
+               "can go on with backward: dist.all_reduce(t, async_op=True).get_future().then(...). "
+               "A blocking all-reduce (or work.wait()) inside the hook, wrapped in a finished "
+               "Future, gives the right values but no overlap.",
+    WRONG_SHAPE: "the future must hold one tensor with bucket.buffer()'s shape (and number of "
+                 "elements): copy the reduced values back into the buffer and return it.",
 }
 graders.TITLES.setdefault("comm_hook", "comm hook")
 
@@ -72,9 +82,17 @@ def _on_rank(hook, bucket_cap_mb):
     seen = {"buckets": 0, "bucket_bytes": 0, "sent_bytes": 0, "mistake": None, "detail": ""}
     real_all_reduce = dist.all_reduce
 
+    in_hook = []
+
     def counting_all_reduce(tensor, *args, **kwargs):
         seen["sent_bytes"] += tensor.numel() * tensor.element_size()
-        return real_all_reduce(tensor, *args, **kwargs)
+        async_op = kwargs.get("async_op", args[2] if len(args) > 2 else False)
+        work = real_all_reduce(tensor, *args, **kwargs)
+        if not async_op:
+            flag(NOT_ASYNC, "a blocking dist.all_reduce (no async_op=True) ran inside the hook.")
+            return work
+        return _NotedWork(work, lambda: in_hook and flag(
+            NOT_ASYNC, "work.wait() was called inside the hook, before it returned."))
 
     def flag(mistake, detail):
         if seen["mistake"] is None:
@@ -85,10 +103,12 @@ def _on_rank(hook, bucket_cap_mb):
         seen["buckets"] += 1
         seen["bucket_bytes"] += buffer.numel() * buffer.element_size()
         dist.all_reduce = counting_all_reduce  # looked up by the learner at call time
+        in_hook.append(True)
         try:
             fut = hook(state, bucket)
         finally:
             dist.all_reduce = real_all_reduce
+            in_hook.clear()
         if not isinstance(fut, torch._C.Future):
             flag(NOT_A_FUTURE, f"bucket {bucket.index()}: the hook returned {type(fut).__name__}.")
             done = torch.futures.Future()
@@ -102,7 +122,7 @@ def _on_rank(hook, bucket_cap_mb):
                                   f"of {len(value)}.")
                 return buffer
             if not torch.is_tensor(value) or value.shape != buffer.shape:
-                flag(WRONG, f"bucket {bucket.index()}: the value is {type(value).__name__} "
+                flag(WRONG_SHAPE, f"bucket {bucket.index()}: the value is {type(value).__name__} "
                             f"{getattr(value, 'shape', '')}, the bucket {tuple(buffer.shape)}.")
                 return buffer
             return value
@@ -126,6 +146,20 @@ def _on_rank(hook, bucket_cap_mb):
                 local_error=relative_error(grads, [p.grad for p in local.parameters()]),
                 scale=sum(scale) / len(scale))
     return seen
+
+
+class _NotedWork:
+    """The learner's Work: a ``wait()`` is noted (inside the hook it defeats the overlap)."""
+
+    def __init__(self, work, on_wait):
+        self._work, self._on_wait = work, on_wait
+
+    def wait(self, *args, **kwargs):
+        self._on_wait()
+        return self._work.wait(*args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self._work, name)
 
 
 def diagnose(per_rank, compress: bool) -> dict:

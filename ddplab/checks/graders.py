@@ -23,7 +23,7 @@ import linecache
 
 from ddplab.cluster.errors import JobTimeout, RankError
 from ddplab.checks import workload as W
-from ddplab.checks.mistakes import HUNG, NOT_IMPLEMENTED, CheckFailed, diagnose
+from ddplab.checks.mistakes import HUNG, NOT_IMPLEMENTED, RAISED, CheckFailed, diagnose
 
 passed: dict = {}  # exercise -> True / False (last verdict in this kernel)
 TITLES = {"all_reduce": "all_reduce", "average_gradients": "average_gradients", "overlap": "OverlapDDP",
@@ -115,7 +115,16 @@ def _from_rank_error(err: RankError) -> Exception:
                "work it launched.")
         return CheckFailed(HUNG, "stopped: " + "\n".join(lines) + f"\n{how}\n(The ranks were "
                            "replaced, as after any stuck collective.)")
-    return err
+    return raised(err)
+
+
+def raised(err: RankError) -> CheckFailed:
+    """A learner's exception on the ranks, in words (never a raw RankError)."""
+    exceptions = {r: e for r, e in err.exceptions.items() if e is not None}
+    if any(isinstance(e, NotImplementedError) for e in exceptions.values()):
+        return CheckFailed(NOT_IMPLEMENTED, "your code raised NotImplementedError on the ranks.")
+    lines = [f"rank {r}: {type(e).__name__}: {str(e).strip()[:400]}" for r, e in sorted(exceptions.items())]
+    return CheckFailed(RAISED, "\n".join(lines or [str(err).splitlines()[0][:400]]))
 
 
 def _draw(result: CheckResult) -> None:

@@ -14,7 +14,7 @@ DDP for that many steps on every rank to show that the loop now ends.
 
 Mistakes it names (each planted in tests/test_checks_labs06_08.py):
 not implemented; hung (a collective only some ranks call); each rank's own
-count (no collective); the maximum (a rank runs out of data); the sum; a
+count (no collective); rank 0's count broadcast; the maximum (a rank runs out of data); the sum; a
 wrong number otherwise.
 Leaves out: torch's ``Join`` context manager (``with model.join():``), the
 other fix, which keeps every sample by shadowing the missing all-reduces; lab
@@ -31,6 +31,7 @@ MAXIMUM = "the maximum instead of the minimum"
 SUMMED = "the counts were summed"
 NOT_MIN = "not the smallest count"
 NOT_A_NUMBER = "not a whole number"
+BROADCAST = "rank 0's count broadcast, not the minimum"
 
 
 def counts_for(world_size: int) -> list:
@@ -104,6 +105,10 @@ def diagnose(configurations, answers) -> None:
         answer = got[0]
         if answer == min(counts):
             continue
+        if answer == counts[0]:
+            raise CheckFailed(BROADCAST, f"{shown}: every rank took rank 0's count. dist.broadcast "
+                                         "copies one rank's value, it compares nothing; the minimum "
+                                         "is dist.all_reduce(t, op=dist.ReduceOp.MIN).")
         if answer == max(counts):
             raise CheckFailed(MAXIMUM, f"{shown}: a rank with fewer batches would run out of data "
                                        "(or the others would wait for it forever). Every rank "
@@ -133,7 +138,9 @@ def check_agreed_steps(cluster, fn, *, train: bool = True) -> dict:
             raise CheckFailed(HUNG, f"stopped after the Cluster's timeout ({status}). A collective "
                                     "called on some ranks only waits forever: every rank must call "
                                     "it (the ranks were replaced).") from None
-        raise
+        from ddplab.checks.graders import raised
+
+        raise raised(err) from None
     diagnose(configurations, answers)
     passed["agreed_steps"] = True
     summary = {"configurations": configurations, "answers": [[_as_int(a) for a in r] for r in answers]}

@@ -1,8 +1,8 @@
 """Grader for lab 00: a ring all-reduce written with send/recv, against dist.all_reduce.
 
 ``check_ring_all_reduce(cluster, fn)`` calls ``fn(tensor)`` on every rank of a
-Cluster of at least 3 ranks, on float64 tensors whose lengths do not divide by
-the world size, holding whole numbers (so every order of addition gives the
+Cluster of at least 3 ranks, on float64 and float32 tensors (lab 00 goes on in
+float32, so a dtype written out fails here) whose lengths do not divide by the world size, holding whole numbers (so every order of addition gives the
 same sum exactly). It compares each rank's tensor afterwards with what
 ``dist.all_reduce`` (SUM, in place) gives on the same data, and counts the
 bytes each rank sent (``ddplab.lessons.ring.watch_p2p``). A blocking gloo
@@ -13,8 +13,8 @@ with a message instead of hanging.
 Named mistakes: a collective used instead of send/recv; deadlock (every rank
 blocked in send); sends and recvs that do not pair up; chunks that do not
 cover the tensor or differ between sender and receiver; the all-gather phase
-missing; a result returned instead of written in place; an average instead of
-a sum; a correct result that sends more than a ring (not a ring).
+missing; a result returned instead of written in place; the tensor never written;
+a buffer of another dtype; an isend/irecv never waited; an average instead of a sum; a correct result that sends more than a ring (not a ring).
 
 Leaves out: timing (the cost is counted in bytes), reduce ops other than SUM,
 and process subgroups.
@@ -24,9 +24,9 @@ from __future__ import annotations
 import traceback
 import uuid
 
-from ddplab.cluster.errors import RankError
+from ddplab.cluster.errors import RankDied, RankError
 from ddplab.checks import graders
-from ddplab.checks.mistakes import EXPLAIN, NOT_IMPLEMENTED, RAISED, WRONG, CheckFailed
+from ddplab.checks.mistakes import EXPLAIN, NOT_IMPLEMENTED, RAISED, CheckFailed
 
 COLLECTIVE = "a collective instead of send/recv"
 DEADLOCK = "deadlock: every rank sends first"
@@ -36,6 +36,10 @@ NO_ALLGATHER = "the all-gather phase is missing"
 NOT_IN_PLACE = "result not written in place"
 AVERAGED = "averaged instead of summed"
 NOT_A_RING = "correct, but not a ring (too many bytes)"
+NEVER_WRITTEN = "the tensor was never written"
+DTYPE_MISMATCH = "a buffer of another dtype than the tensor"
+MISSING_WAIT = "an isend/irecv was never waited for"
+RING_WRONG = "the result differs from dist.all_reduce"
 
 EXPLAIN.update({
     COLLECTIVE: "the exercise is to build all_reduce from dist.send/dist.recv (and isend/irecv); "
@@ -58,10 +62,22 @@ EXPLAIN.update({
                   "(chunk views of it, add_/copy_).",
     AVERAGED: "the result is the mean, not the sum: all_reduce's default op is SUM (DDP divides "
               "by the world size separately).",
+    NEVER_WRITTEN: "after your function every rank's tensor still held its own values: the sums "
+                   "went into new tensors (x = x + y, torch.cat, a list of chunks rebound). "
+                   "Write into the tensor: chunk views of it, then add_/copy_ or +=.",
+    DTYPE_MISMATCH: "a send or receive buffer had another dtype than the tensor being reduced "
+                    "(e.g. torch.float64 written out while lab 00 reduces float32). gloo moves bytes, "
+                    "not values: make buffers with torch.empty_like(chunk) or chunk.new_empty(...).",
+    MISSING_WAIT: "dist.isend/dist.irecv return a Work at once; until work.wait() returns, the "
+                  "send may not have left and the received buffer may not be filled. Wait for every "
+                  "one before the function returns (before reading a received buffer).",
+    RING_WRONG: "",
     NOT_A_RING: "the values are right, but a rank sent more than a ring's 2(p-1)/p of the data. "
                 "Send one chunk per step to your right neighbour only.",
 })
 graders.TITLES.setdefault("ring_all_reduce", "ring all-reduce")
+# lab 00 reduces float32 after the check (its bytes cells): graded in both
+DTYPES = ("float64", "float32")
 
 
 def _data(rank: int, n: int, seed: int):
@@ -81,12 +97,14 @@ def grade_on_rank(fn, cfg: dict) -> list:
 
     rank, p = dist.get_rank(), dist.get_world_size()
     cases = []
-    for i, n in enumerate(cfg["lengths"]):
-        mine = _data(rank, n, cfg["seed"]).to(device())
+    plan = [(n, dt) for dt in cfg["dtypes"] for n in cfg["lengths"]]
+    for i, (n, dtype) in enumerate(plan):
+        mine = _data(rank, n, cfg["seed"]).to(device(), getattr(torch, dtype))
         reference = mine.clone()
         dist.all_reduce(reference)  # torch's own answer, before the learner's code runs
         t = mine.clone()
-        case = {"n": n, "ref": reference.cpu(), "p": p, "element_size": t.element_size()}
+        case = {"n": n, "ref": reference.cpu(), "p": p, "element_size": t.element_size(),
+                "dtype": dtype, "in": mine.cpu()}
         log = None
         try:
             with R.watch_p2p(cfg["timeout"], tag=f"{cfg['tag']}/{i}") as log:
@@ -134,11 +152,17 @@ def check_ring_all_reduce(cluster, fn, *, lengths=(10, 1001), timeout: float = 5
     p = cluster.world_size
     if any(n % p == 0 for n in lengths):
         raise ValueError(f"choose lengths that do not divide by {p}: that is where rings go wrong")
-    cfg = dict(lengths=list(lengths), timeout=float(timeout), seed=seed, tag=uuid.uuid4().hex)
+    cfg = dict(lengths=list(lengths), timeout=float(timeout), seed=seed, tag=uuid.uuid4().hex,
+               dtypes=list(DTYPES))
     graders.passed["ring_all_reduce"] = False
     try:
         per_rank = cluster.run_job(grade_on_rank, (fn, cfg),
-                                   job_timeout=len(lengths) * (2 * timeout + 10) + 20)
+                                   job_timeout=len(lengths) * len(DTYPES) * (2 * timeout + 10) + 20)
+    except RankDied as err:  # numels are compared before a recv is posted: the bytes were not
+        raise CheckFailed(DTYPE_MISMATCH, f"{str(err).splitlines()[0]}: gloo aborts a process that "
+                          "receives more bytes than its buffer holds, here a buffer with smaller "
+                          "elements than the tensor's (or an irecv buffer too short). The ranks "
+                          "were replaced.") from None
     except RankError as err:
         raise graders._from_rank_error(err) from None
     try:
@@ -170,13 +194,13 @@ def diagnose(per_rank: list) -> str:
         _diagnose_case(cases, p)
     from ddplab.lessons.ring import ring_bytes_model
 
-    lines = [f"ring all-reduce: passed on {p} ranks, float64, lengths "
-             f"{', '.join(str(c['n']) for c in per_rank[0])} (none divisible by {p}); "
+    lines = [f"ring all-reduce: passed on {p} ranks, {' and '.join(DTYPES)}, lengths "
+             f"{', '.join(sorted({str(c['n']) for c in per_rank[0]}))} (none divisible by {p}); "
              "every rank equals dist.all_reduce."]
     for c in (r[-1] for r in [per_rank[0]]):
         model = ring_bytes_model(c["n"], c["element_size"], p)
         sent = [r[-1]["log"]["bytes_sent"] for r in per_rank]
-        lines.append(f"  n={c['n']}: bytes sent per rank {sent}; model 2(p-1)/p * n * 8 = {model:.0f}.")
+        lines.append(f"  n={c['n']}: bytes sent per rank {sent}; {c['dtype']}; model 2(p-1)/p * n * {c['element_size']} = {model:.0f}.")
     return "\n".join(lines)
 
 
@@ -184,13 +208,27 @@ def _diagnose_case(cases, p):
     import torch
 
     n = cases[0]["n"]
-    where = f"(length {n} on {p} ranks)"
+    where = f"(length {n}, {cases[0]['dtype']}, on {p} ranks)"
     errors = {r: c["error"] for r, c in enumerate(cases) if "error" in c}
     if any(e[0] == "NotImplementedError" for e in errors.values()):
         raise CheckFailed(NOT_IMPLEMENTED, "your ring raised NotImplementedError.")
     used = sorted({name for c in cases if c.get("log") for name in c["log"]["collectives"]})
     if used:
         raise CheckFailed(COLLECTIVE, f"called: {', '.join('dist.' + u for u in used)}.")
+    for r, c in enumerate(cases):
+        log = c.get("log") or {}
+        odd = [(peer, numel, nbytes) for key in ("sent", "received") for peer, numel, nbytes in log.get(key, ())
+               if numel and nbytes != numel * c["element_size"]]
+        if odd:
+            peer, numel, nbytes = odd[0]
+            raise CheckFailed(DTYPE_MISMATCH, f"rank {r} {where}: a message of {numel} elements to/from "
+                              f"rank {peer} was {nbytes // numel} bytes per element; the tensor's "
+                              f"{c['dtype']} is {c['element_size']}.")
+    unwaited = {r: c["log"]["unfinished"] for r, c in enumerate(cases) if (c.get("log") or {}).get("unfinished")}
+    if unwaited and not any(k in c for c in cases for k in ("error", "stalled", "size_mismatch")):
+        r = min(unwaited)
+        raise CheckFailed(MISSING_WAIT, f"rank {r} {where}: {unwaited[r]} isend/irecv work(s) not "
+                          "waited for when your function returned.")
     for r, e in errors.items():
         if "invalid for input of size" in e[1] or "split_size" in e[1]:
             raise CheckFailed(WRONG_SPLIT, f"rank {r} {where}: {e[0]}: {e[1]}")
@@ -209,6 +247,11 @@ def _diagnose_case(cases, p):
         raise CheckFailed(RAISED, f"rank {r} {where}: {errors[r][0]}: {errors[r][1]}\n"
                           f"{errors[r][2] if len(errors[r]) > 2 else ''}")
     ref = cases[0]["ref"]
+    if all(torch.equal(c["out"], c["in"]) for c in cases) and not all(torch.equal(c["in"], ref) for c in cases):
+        returned = any(c.get("ret") is not None for c in cases)
+        raise CheckFailed(NOT_IN_PLACE if returned and all(
+            c.get("ret") is not None and c["ret"].shape == ref.shape and torch.equal(c["ret"], ref)
+            for c in cases) else NEVER_WRITTEN, f"{where}.")
     for r, c in enumerate(cases):
         out = c["out"]
         if torch.equal(out, ref):
@@ -228,7 +271,7 @@ def _diagnose_case(cases, p):
             if all(f == 1 for f in finished) and len(split) > 1:
                 raise CheckFailed(NO_ALLGATHER, f"{where}: each rank holds the full sum of exactly "
                                   "one chunk; the others hold partial sums.")
-        raise CheckFailed(WRONG, f"rank {r} {where}: {len(wrong)} of {n} elements differ from "
+        raise CheckFailed(RING_WRONG, f"rank {r} {where}: {len(wrong)} of {n} elements differ from "
                           f"dist.all_reduce, first at index {wrong[0]}: got {out[wrong[0]].item():g}, "
                           f"expected {ref[wrong[0]].item():g}.")
     from ddplab.lessons.ring import ring_bytes_model

@@ -68,39 +68,98 @@ class P2PCounter:
 
     def __init__(self):
         self.sent = self.received = self.sends = self.recvs = 0
+        self.messages = []  # (op, peer, shape, dtype) in call order: a grader pairs them up
+        self.unwaited = 0  # isend/irecv works not (yet) waited for
+
+    def note(self, op, tensor, peer):
+        self.messages.append((op, peer, tuple(tensor.shape), str(tensor.dtype).replace("torch.", "")))
 
     def as_dict(self) -> dict:
-        return {"sent": self.sent, "received": self.received, "sends": self.sends, "recvs": self.recvs}
+        return {"sent": self.sent, "received": self.received, "sends": self.sends, "recvs": self.recvs,
+                "messages": list(self.messages), "unwaited": self.unwaited}
+
+
+class _CountedWork:
+    """An isend/irecv's Work that tells its counter when it was waited for."""
+
+    def __init__(self, work, counter):
+        self._work, self._counter, self._waited = work, counter, False
+        counter.unwaited += 1
+
+    def wait(self, *args, **kwargs):
+        out = self._work.wait(*args, **kwargs)
+        if not self._waited:
+            self._waited = True
+            self._counter.unwaited -= 1
+        return out
+
+    def __getattr__(self, name):
+        return getattr(self._work, name)
 
 
 @contextlib.contextmanager
-def p2p_counting(recv_timeout_s: float | None = None):
+def p2p_counting(recv_timeout_s: float | None = None, tag: str | None = None):
     """Within the block, ``dist.send/recv/isend/irecv`` are counted on this rank.
 
     ``recv_timeout_s``: a ``recv`` that waits longer raises ``TimeoutError`` naming its
     source (instead of waiting out the whole group's timeout). The functions are
     looked up at call time (``dist.send(...)``), so code written against
     ``torch.distributed`` is counted without a change.
+
+    ``tag`` (the same on both ranks, new for every call): each send first notes
+    its shape and dtype in the store, and a blocking ``recv`` compares its buffer
+    with them before posting, raising ``ValueError`` on a difference. gloo copies
+    bytes: a smaller buffer aborts the receiving process, another dtype or shape
+    of the same size fills it with garbage.
     """
     import torch.distributed as dist
 
     counter = P2PCounter()
     real = {name: getattr(dist, name) for name in ("send", "recv", "isend", "irecv")}
+    store = dist.distributed_c10d._get_default_store() if tag else None
+    seq: dict = {}
+
+    def key(src, dst):
+        n = seq[(src, dst)] = seq.get((src, dst), -1) + 1
+        return f"ddplab-pipe/{tag}/{src}->{dst}/{n}"
+
+    def announce(tensor, dst):
+        if store is not None and dst is not None:
+            store.set(key(dist.get_rank(), int(dst)), f"{tuple(tensor.shape)} {tensor.dtype}")
+
+    def compare(tensor, src):
+        if store is None or src is None:
+            return
+        k = key(int(src), dist.get_rank())
+        try:
+            store.wait([k], datetime.timedelta(seconds=recv_timeout_s or 30))
+        except Exception:  # the store's timeout error type differs between torch versions
+            return  # nothing announced: the timed recv below reports the hang
+        sent, mine = store.get(k).decode(), f"{tuple(tensor.shape)} {tensor.dtype}"
+        if sent != mine:
+            raise ValueError(f"rank {dist.get_rank()} posted a recv into {mine} from rank {src}, "
+                             f"which sent {sent}")
 
     def nbytes(t):
         return t.numel() * t.element_size()
 
     def send(tensor, dst=None, *args, **kwargs):
+        counter.note("send", tensor, dst)
+        announce(tensor, dst)
         counter.sent += nbytes(tensor)
         counter.sends += 1
         return real["send"](tensor, dst, *args, **kwargs)
 
     def isend(tensor, dst=None, *args, **kwargs):
+        counter.note("send", tensor, dst)
+        announce(tensor, dst)
         counter.sent += nbytes(tensor)
         counter.sends += 1
-        return real["isend"](tensor, dst, *args, **kwargs)
+        return _CountedWork(real["isend"](tensor, dst, *args, **kwargs), counter)
 
     def recv(tensor, src=None, *args, **kwargs):
+        counter.note("recv", tensor, src)
+        compare(tensor, src)
         counter.received += nbytes(tensor)
         counter.recvs += 1
         if recv_timeout_s is None or src is None:
@@ -115,9 +174,10 @@ def p2p_counting(recv_timeout_s: float | None = None):
         return src
 
     def irecv(tensor, src=None, *args, **kwargs):
+        counter.note("recv", tensor, src)
         counter.received += nbytes(tensor)
         counter.recvs += 1
-        return real["irecv"](tensor, src, *args, **kwargs)
+        return _CountedWork(real["irecv"](tensor, src, *args, **kwargs), counter)
 
     for name, fn in (("send", send), ("recv", recv), ("isend", isend), ("irecv", irecv)):
         setattr(dist, name, fn)
