@@ -279,7 +279,7 @@ def test_pipeline_solutions_pass(cluster, fn):
     pytest.param(pipe_detached_input, PC.NO_REQUIRES_GRAD, marks=pytest.mark.slow),
     (pipe_no_backward0, PC.NO_STAGE0_BACKWARD), (pipe_grads_cleared0, PC.NO_STAGE0_BACKWARD),
     (pipe_own_loss0, PC.WRONG_GRADIENTS), (pipe_doubled_grad, PC.WRONG_GRADIENTS),
-    (pipe_sent_twice, PC.WRONG_BYTES), (pipe_grad_in_float32, PC.WRONG_BYTES),
+    (pipe_sent_twice, PC.WRONG_BYTES), (pipe_grad_in_float32, PC.DTYPE_MISMATCH),
     (pipe_no_loss, PC.NO_LOSS), (pipe_loss_times_two, PC.NO_LOSS),
     (pipe_stub, M.NOT_IMPLEMENTED)])
 def test_pipeline_mistakes_are_named(cluster, fn, named):
