@@ -89,10 +89,10 @@ def _on_rank(hook, bucket_cap_mb):
         async_op = kwargs.get("async_op", args[2] if len(args) > 2 else False)
         work = real_all_reduce(tensor, *args, **kwargs)
         if not async_op:
-            flag(NOT_ASYNC, "a blocking dist.all_reduce (no async_op=True) ran inside the hook.")
+            seen.setdefault("not_async", "a blocking dist.all_reduce (no async_op=True) ran inside the hook.")
             return work
-        return _NotedWork(work, lambda: in_hook and flag(
-            NOT_ASYNC, "work.wait() was called inside the hook, before it returned."))
+        return _NotedWork(work, lambda: in_hook and seen.setdefault(
+            "not_async", "work.wait() was called inside the hook, before it returned."))
 
     def flag(mistake, detail):
         if seen["mistake"] is None:
@@ -114,6 +114,8 @@ def _on_rank(hook, bucket_cap_mb):
             done = torch.futures.Future()
             done.set_result(buffer)
             return done
+        if seen.get("not_async"):  # checked after the type: a tensor returned is the first mistake
+            flag(NOT_ASYNC, f"bucket {bucket.index()}: {seen['not_async']}")
 
         def inspect_value(f):
             value = f.value()
