@@ -22,16 +22,18 @@ sys.path.insert(0, HERE)  # the catalogue's modules and _exercise_solutions
 
 import cloudpickle  # noqa: E402
 
+import _catalogue_new as NEW  # noqa: E402
 import _catalogue_p2p as P2P  # noqa: E402
 import _catalogue_small as SMALL  # noqa: E402
 import _catalogue_sync as SYNC  # noqa: E402
 import _exercise_solutions  # noqa: E402
 
-for _m in (P2P, SMALL, SYNC, _exercise_solutions):
+for _m in (NEW, P2P, SMALL, SYNC, _exercise_solutions):
     cloudpickle.register_pickle_by_value(_m)  # the ranks cannot import tests/
 
 # exercise -> {"check": f(cluster, solution), "world": ranks, "correct": [...], "wrong": [(fn, mistake)]}
 CATALOGUE = {
+    "00 send/recv warm-up": NEW.WARM_UP,
     "00 ring all-reduce": P2P.RING,
     "02 average_gradients": SYNC.AVERAGE,
     "02 OverlapDDP": SYNC.OVERLAP,
@@ -42,6 +44,7 @@ CATALOGUE = {
     "06 agreed steps": SMALL.AGREED,
     "07 comm hook": SMALL.COMM_HOOK,
     "08 pipeline step": P2P.PIPELINE,
+    "09 bucket assignment": NEW.BUCKET_ASSIGNMENT,
 }
 
 

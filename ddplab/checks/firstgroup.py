@@ -11,7 +11,7 @@ Named mistakes: every rank blocked in a blocking ``send`` (a gloo ``send``
 returns only once its receiver has posted the matching ``recv``, so nobody
 receives); a send or recv without a partner; the wrong direction (the
 tensor came from the right); a receive buffer of another size; nothing
-returned; a collective instead of send/recv. The traffic is watched with
+returned; a collective instead of send/recv; an isend/irecv never waited. The traffic is watched with
 ``ddplab.lessons.ring.watch_p2p``, which stops a deadlock after ``timeout``
 seconds instead of hanging.
 
@@ -22,10 +22,10 @@ from __future__ import annotations
 import traceback
 import uuid
 
-from ddplab.cluster.errors import RankError
+from ddplab.cluster.errors import RankDied, RankError
 from ddplab.checks import graders
 from ddplab.checks.mistakes import EXPLAIN, NOT_IMPLEMENTED, RAISED, CheckFailed
-from ddplab.checks.ring import COLLECTIVE, DEADLOCK, UNPAIRED
+from ddplab.checks.ring import COLLECTIVE, DEADLOCK, MISSING_WAIT, UNPAIRED
 
 FROM_THE_RIGHT = "received from the right instead of the left"
 NOTHING_RETURNED = "the received tensor was not returned"
@@ -95,6 +95,10 @@ def diagnose(per_rank: list, n: int) -> None:
     errors = [(r["rank"], r["error"]) for r in per_rank if "error" in r]
     if errors:
         raise CheckFailed(RAISED, f"rank {errors[0][0]}: {errors[0][1]}")
+    unwaited = [r["rank"] for r in per_rank if (r.get("log") or {}).get("unfinished")]
+    if unwaited:  # the values may even be right: the task is a pair that has finished
+        raise CheckFailed(MISSING_WAIT, f"rank {unwaited[0]}: an isend/irecv not waited for "
+                                        "when your function returned")
     for r in per_rank:
         got, rank = r["got"], r["rank"]
         if got is None or got.numel() != n:
@@ -117,6 +121,10 @@ def check_pass_right(cluster, fn, *, n: int = 7, timeout: float = 5.0) -> list:
     cfg = dict(n=n, timeout=float(timeout), tag=uuid.uuid4().hex)
     try:
         per_rank = cluster.run_job(pass_right_on_rank, (fn, cfg), job_timeout=2 * timeout + 30)
+    except RankDied as err:  # numels are compared before a blocking recv, not before an irecv
+        raise CheckFailed(SIZE, f"{str(err).splitlines()[0]}: gloo aborts a process that receives "
+                                "more bytes than its buffer holds (an irecv buffer too small, or "
+                                "of a smaller dtype). The ranks were replaced.") from None
     except RankError as err:
         raise CheckFailed(RAISED, str(err).splitlines()[0]) from None
     try:
