@@ -92,13 +92,13 @@ def diagnose(per_rank: list, n: int) -> None:
     sizes = [r["size"] for r in per_rank if "size" in r]
     if sizes:
         raise CheckFailed(SIZE, sizes[0])
-    errors = [(r["rank"], r["error"]) for r in per_rank if "error" in r]
-    if errors:
-        raise CheckFailed(RAISED, f"rank {errors[0][0]}: {errors[0][1]}")
     unwaited = [r["rank"] for r in per_rank if (r.get("log") or {}).get("unfinished")]
     if unwaited:  # the values may even be right: the task is a pair that has finished
         raise CheckFailed(MISSING_WAIT, f"rank {unwaited[0]}: an isend/irecv not waited for "
                                         "when your function returned")
+    errors = [(r["rank"], r["error"]) for r in per_rank if "error" in r]
+    if errors:
+        raise CheckFailed(RAISED, f"rank {errors[0][0]}: {errors[0][1]}")
     for r in per_rank:
         got, rank = r["got"], r["rank"]
         if got is None or got.numel() != n:
