@@ -24,12 +24,11 @@ def clusters():
 
 
 @pytest.mark.parametrize("name,kind", CASES, ids=[f"{n}-{k}" for n, k in CASES])
-def test_catalogue_fast_subset(clusters, name, kind, capsys):
+def test_catalogue_fast_subset(clusters, name, kind):
     entry = C.CATALOGUE[name]
     cluster = clusters(entry["world"])
     if kind == "correct":
-        entry["check"](cluster, entry["correct"][0])
-        assert "passed" in capsys.readouterr().out or name.startswith("05 sampler")
+        entry["check"](cluster, entry["correct"][0])  # a check's pass is returning without CheckFailed
         return
     fn, mistake = entry["wrong"][0]
     with pytest.raises(CheckFailed) as info:
