@@ -6,7 +6,6 @@ The whole catalogue (every solution, false accepts and rejects counted) is
 """
 import pytest
 
-import ddplab
 from ddplab.checks import CheckFailed
 
 import graders_catalogue as C
@@ -15,12 +14,10 @@ pytestmark = pytest.mark.timeout(300)
 CASES = [(name, kind) for name in C.CATALOGUE for kind in ("correct", "wrong")]
 
 
-@pytest.fixture(scope="module")
-def clusters():
-    made = {}
-    yield lambda world: made.get(world) or made.setdefault(world, ddplab.Cluster(world_size=world, timeout=5))
-    for c in made.values():
-        c.shutdown()
+@pytest.fixture
+def clusters(request):
+    """The session's shared ranks (conftest): ``clusters(world)`` is cluster2 or cluster3."""
+    return lambda world: request.getfixturevalue(f"cluster{world}")
 
 
 @pytest.mark.parametrize("name,kind", CASES, ids=[f"{n}-{k}" for n, k in CASES])
