@@ -29,6 +29,7 @@ P2P send/recv); GPipe (Huang et al., 2019); torch/nn/parallel/distributed.py.
 """
 from __future__ import annotations
 
+import ast
 import contextlib
 import datetime
 
@@ -137,6 +138,9 @@ def p2p_counting(recv_timeout_s: float | None = None, tag: str | None = None):
             return  # nothing announced: the timed recv below reports the hang
         sent, mine = store.get(k).decode(), f"{tuple(tensor.shape)} {tensor.dtype}"
         if sent != mine:
+            # take the message off the wire first: its sender may be blocked until it is received
+            shape, dtype = sent.rsplit(" ", 1)
+            real["recv"](torch.empty(ast.literal_eval(shape), dtype=getattr(torch, dtype[6:])), src)
             raise ValueError(f"rank {dist.get_rank()} posted a recv into {mine} from rank {src}, "
                              f"which sent {sent}")
 
