@@ -63,7 +63,7 @@ test-browser: $(STAMP)
 # make check: make test, then CHECK_MORE in this order. Whatever is too long for make test
 # goes into CHECK_MORE (add a target's name to the list: the full
 # grader mutation catalogue, ...); make check stays <= 45 min on a 2-core machine.
-CHECK_MORE = test-unit-more test-labs-more test-labs-ws1 test-hub handouts
+CHECK_MORE = test-unit-more test-labs-more test-labs-ws1 test-graders test-hub handouts
 check: $(STAMP)
 	$(MAKE) test
 	$(MAKE) $(CHECK_MORE)

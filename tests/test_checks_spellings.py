@@ -9,6 +9,7 @@ import _exercise_solutions as S
 import _spelled_solutions as V
 import ddplab
 from ddplab import checks
+from ddplab.sync import core
 
 cloudpickle.register_pickle_by_value(S)
 cloudpickle.register_pickle_by_value(V)
@@ -26,7 +27,7 @@ SOLUTIONS = [
     (checks.check_overlap_ddp, V.OverlapC10d),
     (checks.check_bucketed_ddp, S.MyBucketedDDP),
     (checks.check_bucketed_ddp, V.BucketedImported),
-    (checks.check_bucketed_ddp, ddplab.BucketedDDP),
+    (checks.check_bucketed_ddp, core.BucketedDDP),
     (checks.check_no_sync, S.my_accumulation_step),
     (checks.check_no_sync, V.acc_exit_stack),
     (checks.check_no_sync, V.acc_one_context_per_batch),

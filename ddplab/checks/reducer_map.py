@@ -84,6 +84,10 @@ CASES = [
       (300, 300, "float64")], 1.0),
     ([(300, 300, "float64"), (300, 300, "float32"), (300, 300, "float64"),
       (300, 300, "float32"), (300, 300, "float32")], None),
+    # Linear(1023, 256) is exactly 1 MiB with its bias: torch closes the bucket there (>=).
+    ([(256, 1023, "float32"), (1023, 256, "float32")], 1.0),
+    # Linear(1014, 256) is 0.991 MiB: under a 1 MiB cap, over a cap taken as 1000 KiB.
+    ([(256, 1014, "float32"), (1014, 256, "float32")], 1.0),
 ]
 
 

@@ -107,12 +107,17 @@ def error_info(exc: BaseException, skip_frames: int = 1, elapsed: float = 0.0) -
         "dist_error": isinstance(exc, getattr(dist, "DistError", ())),
         "runtime_error": isinstance(exc, RuntimeError),  # gloo's errors, DistError included
         "timeout": isinstance(exc, TimeoutError),
-        # raised from inside a torch.distributed call: its connections may be closed
-        "in_collective": bool(shown) and "torch/distributed/" in shown[-1][0].f_code.co_filename.replace(
-            os.sep, "/"),
+        # raised from inside a torch.distributed call, or the observing group's wait on
+        # the real work (observed.py): its connections may be closed
+        "in_collective": bool(shown) and _in_collective(shown[-1][0].f_code.co_filename),
         "elapsed": elapsed,
         "text": "".join(traceback.format_exception(exc)),
     }
+
+
+def _in_collective(filename: str) -> bool:
+    path = filename.replace(os.sep, "/")
+    return "torch/distributed/" in path or path.endswith("ddplab/cluster/observed.py")
 
 
 def group_state() -> dict | None:
