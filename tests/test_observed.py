@@ -211,6 +211,9 @@ def _not_observed():
     except RuntimeError as exc:
         return str(exc)
     finally:
+        # Both ranks must be connected before either destroys the group: a rank that
+        # leaves early closes the connection its peer is still opening.
+        dist.barrier(group=plain)
         dist.destroy_process_group(plain)
 
 
