@@ -239,15 +239,15 @@ class BucketsOkFlattenHelpers(S.MyBucketedDDP):
 
 
 def _own_layout(params, cap_mb):
-    """The rule written out: reverse order, close a bucket before it would go over the cap."""
+    """The rule written out, as torch's: reverse order; add a tensor, then close the bucket
+    once it has reached the cap."""
     cap, out, cur, size = cap_mb * 2 ** 20, [], [], 0
     for i in reversed(range(len(params))):
-        nbytes = params[i].numel() * params[i].element_size()
-        if cur and size + nbytes > cap:
+        cur.append(i)
+        size += params[i].numel() * params[i].element_size()
+        if size >= cap:
             out.append(cur)
             cur, size = [], 0
-        cur.append(i)
-        size += nbytes
     return out + ([cur] if cur else [])
 
 
