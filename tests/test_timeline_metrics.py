@@ -113,3 +113,21 @@ def test_bad_link_values(kwargs):
         LinkModel(**kwargs)
     with pytest.raises(ValueError, match="unknown link preset"):
         LinkModel.preset("carrier-pigeon")
+
+
+def test_grad_records_survive_json_shift_and_merge():
+    import json
+
+    from ddplab.timeline import GradRecord, Timeline
+    part0 = Timeline("ddp", 2, grads=[GradRecord(0, 1, 3, 16, 1.5)])
+    part1 = Timeline("ddp", 2, grads=[GradRecord(1, 1, 3, 16, 2.5, "cuda_event")])
+    merged = Timeline.merge([part0, part1])
+    back = Timeline.from_dict(json.loads(json.dumps(merged.to_dict())))
+    assert back.grads == merged.grads
+    moved = back.shifted({0: 1.0, 1: 0.5})
+    assert [g.ready for g in moved.grads] == [0.5, 2.0]
+    assert [g.source for g in moved.grads] == ["cpu", "cuda_event"]
+    # a timeline saved before per-parameter records existed still loads
+    old = merged.to_dict()
+    del old["grads"]
+    assert Timeline.from_dict(old).grads == []

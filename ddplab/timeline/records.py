@@ -52,6 +52,21 @@ class BucketRecord:
 
 
 @dataclass
+class GradRecord:
+    """One parameter's gradient became ready (accumulated into ``.grad``) on one rank.
+
+    Kept per parameter, not only per bucket, so that a recording can be re-bucketed
+    afterwards: which bucket would close when under another ``bucket_cap_mb``.
+    """
+    rank: int
+    iteration: int
+    param: int  # index in model.parameters()
+    nbytes: int
+    ready: float
+    source: str = "cpu"  # one of SOURCES
+
+
+@dataclass
 class IterationRecord:
     rank: int
     iteration: int
@@ -78,6 +93,7 @@ class Timeline:
     # simulated_link (dict or None), oversubscribed, clock offsets and bound,
     # bucket layout, anything a picture must label.
     meta: dict = field(default_factory=dict)
+    grads: list = field(default_factory=list)  # GradRecord, when recorded per parameter
 
     def for_rank(self, rank):
         return ([it for it in self.iterations if it.rank == rank],
@@ -112,7 +128,8 @@ class Timeline:
 
         return {"strategy": self.strategy, "world_size": self.world_size, "backend": self.backend,
                 "meta": self.meta, "iterations": [rec(i) for i in self.iterations],
-                "buckets": [rec(b) for b in self.buckets]}
+                "buckets": [rec(b) for b in self.buckets],
+                "grads": [rec(g) for g in self.grads]}
 
     @classmethod
     def from_dict(cls, d: dict) -> "Timeline":
@@ -122,8 +139,9 @@ class Timeline:
                      phases={k: tuple(v) for k, v in i.get("phases", {}).items()})
             its.append(IterationRecord(**i))
         bks = [BucketRecord(**dict(b, params=tuple(b.get("params", ())))) for b in d["buckets"]]
+        grads = [GradRecord(**g) for g in d.get("grads", ())]
         return cls(d["strategy"], d["world_size"], d.get("backend", "gloo"), its, bks,
-                   dict(d.get("meta", {})))
+                   dict(d.get("meta", {})), grads)
 
     @classmethod
     def merge(cls, parts: list) -> "Timeline":
@@ -133,6 +151,7 @@ class Timeline:
         for p in parts:
             merged.iterations += p.iterations
             merged.buckets += p.buckets
+            merged.grads += p.grads
         return merged
 
     def shifted(self, offsets: dict) -> "Timeline":
@@ -148,4 +167,6 @@ class Timeline:
             b, **{k: move(getattr(b, k), b.rank) for k in
                   ("grads_ready_first", "grads_ready", "launch", "comm_start", "comm_end")})
             for b in self.buckets]
-        return Timeline(self.strategy, self.world_size, self.backend, its, bks, dict(self.meta))
+        grads = [dataclasses.replace(g, ready=move(g.ready, g.rank)) for g in self.grads]
+        return Timeline(self.strategy, self.world_size, self.backend, its, bks, dict(self.meta),
+                        grads)
