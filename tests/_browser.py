@@ -138,10 +138,15 @@ def jupyterlab(root_dir, state_dir, timeout=60.0):
         _stop(lab)
 
 
-def _stop(lab: Lab) -> None:
+def end_sessions(lab: Lab) -> None:
+    """Delete every session: shuts their kernels (and with them any ranks) down."""
     with contextlib.suppress(Exception):
-        for session in lab.api("/api/sessions") or []:  # shuts the kernel (and its ranks) down
+        for session in lab.api("/api/sessions") or []:
             lab.api(f"/api/sessions/{session['id']}", method="DELETE")
+
+
+def _stop(lab: Lab) -> None:
+    end_sessions(lab)
     if lab.process.poll() is None:
         lab.process.send_signal(signal.SIGTERM)
         try:
@@ -159,10 +164,55 @@ def chromium(executable, width=1400, height=1000):
     with sync_playwright() as pw:
         browser = pw.chromium.launch(executable_path=executable, args=CHROMIUM_ARGS)
         try:
-            page = browser.new_page(viewport={"width": width, "height": height})
-            page.errors = []
-            page.on("pageerror", lambda e: page.errors.append(str(e)))
-            yield page
+            with new_page(browser, width, height) as page:
+                yield page
+        finally:
+            browser.close()
+
+
+@contextlib.contextmanager
+def new_page(browser, width=1400, height=1000):
+    """A page in a fresh browser context (no storage shared with the test before)."""
+    context = browser.new_context(viewport={"width": width, "height": height})
+    try:
+        page = context.new_page()
+        page.errors = []
+        page.on("pageerror", lambda e: page.errors.append(str(e)))
+        yield page
+    finally:
+        context.close()
+
+
+class Browsing:
+    """One JupyterLab and one Chromium for a whole test session: each test writes its notebook
+    under ``root``, opens it in a page of its own, and its kernel is shut down after it.
+    Starting JupyterLab (with nbgrader's server extensions) and Chromium once instead of once
+    per test is what keeps the browser tests within their budget."""
+
+    def __init__(self, lab: Lab, browser, root: Path):
+        self.lab, self.browser, self.root = lab, browser, root
+
+    @contextlib.contextmanager
+    def page(self, width=1400, height=1000):
+        try:
+            with new_page(self.browser, width, height) as page:
+                yield page
+        finally:
+            end_sessions(self.lab)
+
+
+@contextlib.contextmanager
+def open_browsing(tmp_path_factory):
+    """The session's JupyterLab and Chromium (see ``Browsing``); skips without a browser.
+    tests/conftest.py serves it as the session fixture ``browsing``."""
+    from playwright.sync_api import sync_playwright
+
+    executable = require_browser()
+    root = tmp_path_factory.mktemp("browser-root")
+    with jupyterlab(root, tmp_path_factory.mktemp("browser-lab")) as lab, sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=executable, args=CHROMIUM_ARGS)
+        try:
+            yield Browsing(lab, browser, root)
         finally:
             browser.close()
 

@@ -106,3 +106,12 @@ def gpu_world() -> int:
     from ddplab.cluster.resources import visible_gpus
 
     return max(1, min(2, visible_gpus()))
+
+
+@pytest.fixture(scope="session")
+def browsing(tmp_path_factory):
+    """One JupyterLab and one Chromium for every browser test of the session (tests/_browser.py)."""
+    from _browser import open_browsing
+
+    with open_browsing(tmp_path_factory) as shared:
+        yield shared

@@ -7,16 +7,15 @@ the same code gives in this process. Then it clicks Run and waits for the
 timeline figure to change in place. Screenshots land in test-artifacts/.
 
 Skipped without Playwright or Chromium, except with CI=true, where that fails.
-Budget: under 2 minutes (typically ~20-30 s).
+One JupyterLab and one Chromium serve every browser test of the session (``browsing``).
 """
 import shutil
 
 import nbformat
 import pytest
 
-from _browser import (ROOT, chromium, jupyterlab, notebook_errors, open_notebook,
-                      require_browser, run_all_cells, save_screenshots, wait_for_bars,
-                      wait_for_change)
+from _browser import (ROOT, notebook_errors, open_notebook,
+                      run_all_cells, save_screenshots, wait_for_bars, wait_for_change)
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -50,14 +49,12 @@ def write_notebook(path):
     nbformat.write(nb, str(path))
 
 
-def test_panel_renders_in_jupyterlab_and_run_redraws_the_timeline(tmp_path):
-    executable = require_browser()
-    root = tmp_path / "root"
-    root.mkdir()
-    write_notebook(root / "panel.ipynb")
+def test_panel_renders_in_jupyterlab_and_run_redraws_the_timeline(browsing):
+    lab = browsing.lab
+    write_notebook(browsing.root / "panel.ipynb")
     want = expected_bars()
     # tall enough that the whole panel is on screen for the screenshot
-    with jupyterlab(root, tmp_path / "lab") as lab, chromium(executable, height=2300) as page:
+    with browsing.page(height=2300) as page:
         try:
             open_notebook(page, lab, "panel.ipynb")
             run_all_cells(page, timeout_s=60)
@@ -80,18 +77,16 @@ def test_panel_renders_in_jupyterlab_and_run_redraws_the_timeline(tmp_path):
             shutil.copy(lab.log_path, shots[0].parent / "browser-jupyterlab.log")
 
 
-def test_the_tour_runs_in_jupyterlab_and_its_panel_reruns_on_live_ranks(tmp_path):
+def test_the_tour_runs_in_jupyterlab_and_its_panel_reruns_on_live_ranks(browsing):
     """labs/tour.ipynb as a learner runs it: real ranks, real engine, real clicks."""
-    executable = require_browser()
-    root = tmp_path / "root"
-    root.mkdir()
+    lab, root = browsing.lab, browsing.root
     tour = nbformat.read(str(ROOT / "labs" / "tour.ipynb"), as_version=4)
     # Keep the ranks alive after Run All (the tour's last cell shuts them down) so
     # that the click below re-runs on them, as a learner's click before that cell would.
     assert "cluster.shutdown()" in tour.cells[-1].source
     tour.cells = tour.cells[:-1]
     nbformat.write(tour, str(root / "tour.ipynb"))
-    with jupyterlab(root, tmp_path / "lab") as lab, chromium(executable, height=2600) as page:
+    with browsing.page(height=2600) as page:
         try:
             open_notebook(page, lab, "tour.ipynb")
             run_all_cells(page, timeout_s=75)
@@ -120,17 +115,15 @@ RANK_FIGURE_CELLS = [
 ]
 
 
-def test_a_figure_made_on_rank_1_renders_in_jupyterlab_labelled_by_rank(tmp_path):
+def test_a_figure_made_on_rank_1_renders_in_jupyterlab_labelled_by_rank(browsing):
     """A %%ddp cell as a learner sees it: rank 1's plotly figure drawn under its label,
     and each rank's last value in its own section."""
-    executable = require_browser()
-    root = tmp_path / "root"
-    root.mkdir()
+    lab, root = browsing.lab, browsing.root
     nb = nbformat.v4.new_notebook()
     nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
     nb.cells = [nbformat.v4.new_code_cell(src) for src in RANK_FIGURE_CELLS]
     nbformat.write(nb, str(root / "ranks.ipynb"))
-    with jupyterlab(root, tmp_path / "lab") as lab, chromium(executable, height=1400) as page:
+    with browsing.page(height=1400) as page:
         try:
             open_notebook(page, lab, "ranks.ipynb")
             run_all_cells(page, timeout_s=60)

@@ -12,15 +12,16 @@ are left out to keep the browser budget), met as a learner meets it:
   and draw the learner's timeline beside torch DDP's; the saved notebook holds exactly the
   solution's source.
 
-Skipped without Playwright or Chromium, except with CI=true. Budget: under a minute.
+Skipped without Playwright or Chromium, except with CI=true. It runs in the session's shared
+JupyterLab and Chromium (the ``browsing`` fixture in tests/conftest.py).
 """
 import shutil
 
 import nbformat
 import pytest
 
-from _browser import (ARTIFACTS, KERNEL_IDLE_JS, ROOT, chromium, jupyterlab, notebook_errors,
-                      open_notebook, require_browser, run_all_cells, save_screenshots)
+from _browser import (ARTIFACTS, KERNEL_IDLE_JS, ROOT, notebook_errors,
+                      open_notebook, run_all_cells, save_screenshots)
 from ddplab.course import exercises
 
 pytestmark = pytest.mark.timeout(240)
@@ -50,16 +51,14 @@ def cell_text(page, index) -> str:
     return page.locator(CELLS).nth(index).locator(".jp-OutputArea").inner_text()
 
 
-def test_an_exercise_fails_untouched_then_passes_filled_in(tmp_path):
-    executable = require_browser()
-    root = tmp_path / "root"
-    root.mkdir()
+def test_an_exercise_fails_untouched_then_passes_filled_in(browsing):
+    lab, root = browsing.lab, browsing.root
     ex, solutions = write_exercise(root)
     stubs = [i for i, c in enumerate(ex.cells) if exercises.role(c) == "solution"]
     graders = [i for i, c in enumerate(ex.cells) if exercises.role(c) == "grader"]
     users = [i for i, c in enumerate(ex.cells) if USES in c.source]
     assert len(stubs) == len(graders) == len(users) == 2
-    with jupyterlab(root, tmp_path / "lab") as lab, chromium(executable, height=2400) as page:
+    with browsing.page(height=2400) as page:
         try:
             open_notebook(page, lab, "exercise.ipynb")
             # untouched: every cell runs (the failed checks do not stop Run All)
