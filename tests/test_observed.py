@@ -172,6 +172,7 @@ def _stall():
     return time.monotonic() - t0
 
 
+@pytest.mark.slow
 def test_a_short_timeout_ends_a_stall_and_the_ranks_are_replaced(cluster):
     before = cluster.pids
     with pytest.raises(RankError) as err:

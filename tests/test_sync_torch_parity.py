@@ -99,6 +99,7 @@ def test_2_a_forward_after_a_backward_that_broke_off_is_refused_as_in_torch(clus
             assert max(r["vs_ref"]) < TOL
 
 
+@pytest.mark.slow
 def test_2_an_exception_before_any_gradient_leaves_nothing_in_flight_and_training_goes_on(cluster):
     results = run(cluster, "fails_before_any_hook", ALL, slow_link=True)
     for s in ALL:  # as in torch: nothing was launched, so nothing to refuse
