@@ -171,3 +171,13 @@ def test_bad_questions_get_errors_that_say_what_to_pass():
         predict(rec, link="carrier-pigeon")
     with pytest.raises(ValueError, match="no iterations"):
         predict(Timeline("ddp", 2))
+
+
+def test_over_a_simulated_link_the_slower_of_link_and_real_transfer_sets_the_pace():
+    from ddplab.measure.whatif import SlowerOf
+
+    fast, slow = LinkModel(100.0, 0.0), LinkModel(1.0, 1000.0)
+    both = SlowerOf(fast, slow)
+    assert both.allreduce_seconds(MiB, 2) == slow.allreduce_seconds(MiB, 2)
+    assert SlowerOf(slow, fast).allreduce_seconds(8, 4) == slow.allreduce_seconds(8, 4)
+    assert both.describe()["simulated"] and both.describe()["fitted"]["bandwidth_gbps"] == 1.0

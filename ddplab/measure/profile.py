@@ -137,9 +137,11 @@ def _link_samples(samples) -> list:
             iv = b.comm_interval()
             if iv is None:
                 continue
-            start = max(iv[0], free)
+            # queued behind the previous one: count from its end; gloo may also run two
+            # all-reduces at once (finishing out of order): then count the whole interval
+            start = max(iv[0], free) if free < iv[1] else iv[0]
             out.append((b.nbytes, iv[1] - start))
-            free = iv[1]
+            free = max(free, iv[1])
     return out
 
 
