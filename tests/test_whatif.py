@@ -181,3 +181,9 @@ def test_over_a_simulated_link_the_slower_of_link_and_real_transfer_sets_the_pac
     assert both.allreduce_seconds(MiB, 2) == slow.allreduce_seconds(MiB, 2)
     assert SlowerOf(slow, fast).allreduce_seconds(8, 4) == slow.allreduce_seconds(8, 4)
     assert both.describe()["simulated"] and both.describe()["fitted"]["bandwidth_gbps"] == 1.0
+
+
+def test_a_slowdown_the_overlap_cannot_explain_is_capped_and_said():
+    prof = read_profile(recording(), baseline(backward_ms=1.0))  # 3.5 ms slower, 1 ms overlapped
+    assert prof.contention == pytest.approx(19.0)
+    assert "other load on the machine" in prof.contention_note

@@ -108,9 +108,13 @@ def measure_contention(samples, baseline_backward_s) -> tuple[float, str]:
     # backward work = recorded - overlap * c / (1 + c); the share lost is capped below 1
     share = min(0.95, max(0.0, (recorded - baseline_backward_s) / overlap))
     c = share / (1 - share)
-    return c, (f"contention measured: compute ran {1 + c:.2f}x slower while communication was in "
-               f"flight (backward {1e3 * recorded:.2f} ms with {1e3 * overlap:.2f} ms of it "
-               f"overlapped, {1e3 * baseline_backward_s:.2f} ms without)")
+    note = (f"contention measured: compute ran {1 + c:.2f}x slower while communication was in "
+            f"flight (backward {1e3 * recorded:.2f} ms with {1e3 * overlap:.2f} ms of it "
+            f"overlapped, {1e3 * baseline_backward_s:.2f} ms without)")
+    if share == 0.95:
+        note += ("; at the model's limit: backward was slower than the overlap can explain, "
+                 "so something else (other load on the machine) slowed it too")
+    return c, note
 
 
 def _baseline_backward(baseline: Timeline | None, quiet_samples) -> float | None:
