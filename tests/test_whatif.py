@@ -187,3 +187,13 @@ def test_a_slowdown_the_overlap_cannot_explain_is_capped_and_said():
     prof = read_profile(recording(), baseline(backward_ms=1.0))  # 3.5 ms slower, 1 ms overlapped
     assert prof.contention == pytest.approx(19.0)
     assert "other load on the machine" in prof.contention_note
+
+
+def test_the_labs_timeline_figure_draws_a_prediction_and_says_predicted():
+    from ddplab.widgets.gantt import timeline_figure
+
+    fig = timeline_figure(predict(recording(), bucket_cap_mb=1, baseline=baseline()))
+    texts = [a.text for a in fig.layout.annotations]
+    assert any("PREDICTED from a recording" in t for t in texts)
+    assert fig.layout.title.text.startswith("predicted: ddp")
+    assert sum(len(t.x) for t in fig.data if t.x is not None) >= 4 + 2 * 3  # buckets and phases

@@ -174,6 +174,9 @@ def predict(recording: Timeline, *, bucket_cap_mb=RECORDED, link=None, world_siz
         flight.append((start, free))
         rows.append((k, units, nbytes, readies, launches, start, free))
     tl = Timeline(f"predicted: {recording.strategy}", p, recording.backend)
+    # figures show bucket records' params as names, as recorders write them
+    unit_names = {u: (f"recorded bucket {u}" if prof.from_buckets else f"parameter {u}")
+                  for u in sizes}
     for r, (rp, f) in enumerate(zip(ranks, slow)):
         b1 = wall_after(rp.backward_work_s * f, b0[r], flight, c)
         done = max(b1, free)
@@ -185,7 +188,7 @@ def predict(recording: Timeline, *, bucket_cap_mb=RECORDED, link=None, world_siz
         for k, units, nbytes, readies, launches, start, end in rows:
             first = wall_after(min(rp.grad_work_s[u] for u in units) * f, b0[r], flight, c)
             tl.buckets.append(BucketRecord(
-                r, 0, k, nbytes, tuple(units), first, readies[r], launches[r], start, end,
+                r, 0, k, nbytes, tuple(unit_names[u] for u in units), first, readies[r], launches[r], start, end,
                 {"grads_ready": "derived", "launch": "derived", "comm_start": "simulated",
                  "comm_end": "simulated"}, simulated=True))
         for u, w in rp.grad_work_s.items():
