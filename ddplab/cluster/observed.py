@@ -24,6 +24,9 @@ call to the right one and, on the way,
 The Cluster's ranks join through it (``backend.group_string``), so the
 learner's code, ddplab's reducers and torch DDP are all seen by one mechanism.
 
+Meeting the peers at start-up has a longer limit than a collective
+(``wrapped.py``), so ranks slow to start are not failed by a short timeout.
+
 Leaves out, compared with torch's own groups: ``reduce``/``gather``/``scatter``
 called from C++ (torch's Python trampoline cannot route them here; Python
 callers are served), object collectives' internals (they arrive as the
@@ -47,13 +50,9 @@ import datetime
 import torch
 import torch.distributed as dist
 
+from ddplab.cluster.wrapped import gloo_group, nccl_group, seconds
+
 BACKENDS = {"ddplab_gloo": "gloo", "ddplab_nccl": "cpu:gloo,cuda:nccl"}
-
-
-def _seconds(timeout) -> float | None:
-    if timeout is None:
-        return None
-    return timeout.total_seconds() if isinstance(timeout, datetime.timedelta) else float(timeout)
 
 
 class Observing:
@@ -130,12 +129,11 @@ class ObservedGroup(dist.ProcessGroup):
         self.description = description
         self.timeout = timeout
         self.store = store  # the group's own (prefixed) store: observers may meet peers there
-        self.cpu = dist.ProcessGroupGloo(dist.PrefixStore("gloo/", store), rank, size, timeout)
+        # start-up waits longer than a collective may (wrapped.py)
+        self.cpu = gloo_group(dist.PrefixStore("gloo/", store), rank, size, timeout)
         self.cuda = None
         if "nccl" in description:
-            opts = dist.ProcessGroupNCCL.Options()
-            opts._timeout = timeout
-            self.cuda = dist.ProcessGroupNCCL(dist.PrefixStore("nccl/", store), rank, size, opts)
+            self.cuda = nccl_group(dist.PrefixStore("nccl/", store), rank, size, timeout)
         self.issued = 0  # every collective and point-to-point op, the sequence number
         self.observers: list = []
 
@@ -171,7 +169,7 @@ class ObservedGroup(dist.ProcessGroup):
 
     def wait_limit(self, asked):
         """Seconds a wait may take: the caller's limit or the shortest an observer asks for."""
-        limits = [_seconds(asked)] if asked else []
+        limits = [seconds(asked)] if asked else []
         limits += [getattr(o, "timeout", None) for o in self.observers]
         limits = [x for x in limits if x]
         return min(limits) if limits else None
