@@ -67,6 +67,23 @@ def skip_a_collective():
     return {"stalled": None, "after_s": time.monotonic() - t0}
 
 
+def recv_from_nobody():
+    """Rank 0 waits for a message rank 1 never sends: how long until gloo gives up?"""
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    if dist.get_rank() == 1:
+        return None
+    t0 = time.monotonic()
+    try:
+        dist.recv(torch.empty(3), 1)
+    except RuntimeError as err:
+        return {"error": str(err), "after_s": time.monotonic() - t0}
+    return {"error": None, "after_s": time.monotonic() - t0}
+
+
 @pytest.mark.slow
 def test_a_late_rank_starts_and_a_skipped_collective_stalls_after_the_short_timeout(tmp_path):
     (tmp_path / "sitecustomize.py").write_text(LATE)
@@ -80,8 +97,14 @@ def test_a_late_rank_starts_and_a_skipped_collective_stalls_after_the_short_time
             result = cluster.run(skip_a_collective)[0]
         except RankError as err:  # the ranks disagree on collectives issued: replaced
             pytest.fail(f"the skipped collective should end inside the job: {err}")
+        # gloo's recv reads its limit from the pairs (connected under the start-up limit):
+        # the observing group gives each wait the collective timeout itself. (Fresh ranks
+        # first: the timed-out pair is closed.)
+        cluster.ensure_ready(stale="rank 0 timed out")
+        lonely = cluster.run(recv_from_nobody)[0]
     assert result["stalled"] is not None, "the all-reduce whose peer never came returned"
     assert result["stalled"].startswith("rank 0 timed out: was waiting for all_reduce on "
                                         "a tensor of 3 elements")
     # the Cluster's 3 s, not the 60 s start-up limit nor torch's 30 min default
     assert 2.5 <= result["after_s"] < 20, result
+    assert "Timed out waiting 3000ms for recv" in lonely["error"] and lonely["after_s"] < 20, lonely
