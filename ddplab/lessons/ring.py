@@ -206,18 +206,24 @@ class P2PWatch:
         src, dst = (self.rank, peer) if op == "send" else (peer, self.rank)
         n = self.count[src, dst] = self.count.get((src, dst), -1) + 1
         mine, theirs = ("offered", "ready") if op == "send" else ("ready", "offered")
+        token = {"op": op, "peer": peer, "theirs": self.key(src, dst, n, theirs), "tensor": tensor,
+                 "src": src, "dst": dst}
         self.store.set(self.key(src, dst, n, mine), str(tensor.numel()))  # first mine, then theirs:
-        if self.store.check([self.key(src, dst, n, theirs)]):  # one side always sees the other
-            other = int(self.store.get(self.key(src, dst, n, theirs)))
-            if other != tensor.numel():
-                sent, got = (tensor.numel(), other) if op == "send" else (other, tensor.numel())
-                raise SizeMismatch(f"rank {dst} posted a recv of {got} elements from rank {src}, "
-                                   f"which sent {sent}")
+        if self.store.check([token["theirs"]]):  # one side always sees the other
+            self.same_size(token)  # before posting: nothing is left half-sent
         record = (peer, tensor.numel(), tensor.numel() * tensor.element_size())
         (self.log.sent if op == "send" else self.log.received).append(record)
         self.log.posted[op] += 1
         self.log.unfinished += 1
-        return {"op": op, "peer": peer, "theirs": self.key(src, dst, n, theirs), "tensor": tensor}
+        return token
+
+    def same_size(self, token) -> None:
+        """Raise SizeMismatch when the partner's note gives another element count than ours."""
+        other, mine = int(self.store.get(token["theirs"])), token["tensor"].numel()
+        if other != mine:
+            sent, got = (mine, other) if token["op"] == "send" else (other, mine)
+            raise SizeMismatch(f"rank {token['dst']} posted a recv of {got} elements from rank "
+                               f"{token['src']}, which sent {sent}")
 
     def started(self, token, work):
         if token is not None:
@@ -235,6 +241,7 @@ class P2PWatch:
             self.store.wait([token["theirs"]], datetime.timedelta(seconds=self.timeout))
         except Exception:  # the store's timeout error type differs between torch versions
             raise P2PStalled(token["op"], token["peer"], self.timeout) from None
+        self.same_size(token)  # the partner may have posted after we did, and refused
         token["waited"] = True
         self.log.unfinished -= 1
 
