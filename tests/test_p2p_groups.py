@@ -37,10 +37,10 @@ class FakeNCCL:
     def __init__(self, real=None):
         self.real, self.block, self.groups, self.calls = real, None, [], []
 
-    def _start_coalescing(self, device):
+    def _start_coalescing(self):  # the Backend binding's signature (no device)
         assert self.block is None, "a block opened inside another"
         self.block = []
-        self.calls.append(("start", str(device)))
+        self.calls.append(("start", None))
 
     def send(self, tensors, dst, tag):
         assert self.block is not None, "a send outside a group"
@@ -50,10 +50,10 @@ class FakeNCCL:
         assert self.block is not None, "a recv outside a group"
         self.block.append(("recv", tensors, src, tag))
 
-    def _end_coalescing(self, device):
+    def _end_coalescing(self):
         ops, self.block = self.block, None
         self.groups.append([(op, peer) for op, _, peer, _ in ops])
-        self.calls.append(("end", str(device)))
+        self.calls.append(("end", None))
         works = [getattr(self.real, op)(t, peer, tag) for op, t, peer, tag in ops] if self.real else []
         return AllOf(works)
 
@@ -103,6 +103,15 @@ def test_a_blocking_send_is_a_group_of_its_own_and_collectives_close_the_block()
     # the open block went to NCCL first: ops reach it in the order they were called
     assert fake.groups[-1] == [("send", 1)] and called == ["all_reduce"]
     assert [c for c, _ in fake.calls] == ["start", "end"] * 3
+
+
+def test_the_fake_has_the_signatures_of_torchs_backend_binding():
+    from torch._C._distributed_c10d import Backend
+
+    # ProcessGroupNCCL is a Backend: its coalescing methods take no device (CPU wheel: no NCCL)
+    assert "_start_coalescing(self: torch._C._distributed_c10d.Backend) -> None" in \
+        Backend._start_coalescing.__doc__
+    assert "_end_coalescing(self: torch._C._distributed_c10d.Backend)" in Backend._end_coalescing.__doc__
 
 
 def test_a_gloo_only_group_issues_each_op_alone():

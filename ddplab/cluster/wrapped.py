@@ -116,7 +116,7 @@ class CoalescedP2P:
         if self.device is not None and self.device != device:
             self.close()
         if self.device is None:
-            self.backend._start_coalescing(device)
+            self.backend._start_coalescing()  # Backend's binding: no device argument
             self.device = device
         call(self.backend)  # inside a block the op's own work (if any) is not the one to wait
         work = BlockWork(self)
@@ -127,9 +127,9 @@ class CoalescedP2P:
         """End the open block: NCCL launches it; every op in it shares the block's work."""
         if self.device is None:
             return
-        device, works = self.device, self.works
+        works = self.works
         self.device, self.works = None, []
-        real = self.backend._end_coalescing(device)
+        real = self.backend._end_coalescing()
         for work in works:
             work.real = real
 
