@@ -165,8 +165,10 @@ AGREE_KEY = "ddplab/backend"
 def publish_and_agree(store, rank: int, world_size: int, asked: str, could: str, timeout) -> str:
     """Leave ``asked,could`` for this rank in ``store``, wait for every rank's, and return
     the backend they all take (``agree``); ``timeout`` is a timedelta."""
-    store.set(f"{AGREE_KEY}/{rank}", f"{asked},{could}")
-    keys = [f"{AGREE_KEY}/{r}" for r in range(world_size)]
+    # one set of keys per torchrun restart: a restarted job must not read the last one's
+    prefix = f"{AGREE_KEY}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+    store.set(f"{prefix}/{rank}", f"{asked},{could}")
+    keys = [f"{prefix}/{r}" for r in range(world_size)]
     store.wait(keys, timeout)
     choices = {}
     for r, key in enumerate(keys):
