@@ -180,7 +180,6 @@ def ring_blocking_even_odd(t):
             into.copy_(buf) if phase else into.add_(buf)
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("fn", [ring_p2pop, ring.ring_all_reduce])
 def test_grouped_rings_pass_when_judged_for_nccl(cluster, fn):
     per_rank = checks.check_ring_all_reduce(cluster, fn, timeout=5.0, backend="nccl")
@@ -188,7 +187,6 @@ def test_grouped_rings_pass_when_judged_for_nccl(cluster, fn):
     assert all(c["log"]["ungrouped"] is None for r in per_rank for c in r)
 
 
-@pytest.mark.slow
 def test_a_blocking_ring_passes_on_gloo_and_is_refused_for_nccl_in_words(cluster):
     per_rank = checks.check_ring_all_reduce(cluster, ring_blocking_even_odd, timeout=5.0)
     assert checks.graders.passed["ring_all_reduce"]  # gloo pairs them as they come
