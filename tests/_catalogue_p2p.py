@@ -73,6 +73,79 @@ def ring_ok_dtype_from_tensor(t):
             view[i_in].copy_(buf) if phase else view[i_in].add_(buf)
 
 
+def ring_ok_p2pop_batch(t):
+    # each step one batch_isend_irecv of two P2POp, then both works waited
+    rank, p = dist.get_rank(), dist.get_world_size()
+    chunks = torch.tensor_split(t, p)
+    right, left = (rank + 1) % p, (rank - 1) % p
+    for phase in (0, 1):
+        for s in range(p - 1):
+            out, into = chunks[(rank - s + phase) % p], chunks[(rank - s - 1 + phase) % p]
+            buf = torch.empty_like(into)
+            works = dist.batch_isend_irecv([dist.P2POp(dist.isend, out.contiguous(), right),
+                                            dist.P2POp(dist.irecv, buf, left)])
+            for w in works:
+                w.wait()
+            into.copy_(buf) if phase else into.add_(buf)
+
+
+def ring_ok_p2pop_imported(t):
+    # imported names, the recv listed first (order inside a batch does not matter)
+    from torch.distributed import P2POp, batch_isend_irecv, irecv, isend
+
+    rank, p = dist.get_rank(), dist.get_world_size()
+    pieces = list(t.chunk(p))
+    for step in range(2 * (p - 1)):
+        gather = step >= p - 1
+        send_i = (rank - step % (p - 1) + (1 if gather else 0)) % p
+        recv_i = (send_i - 1) % p
+        incoming = pieces[recv_i].new_zeros(pieces[recv_i].shape)
+        reqs = batch_isend_irecv([P2POp(irecv, incoming, (rank - 1) % p),
+                                  P2POp(isend, pieces[send_i].clone(), (rank + 1) % p)])
+        [r.wait() for r in reqs]
+        pieces[recv_i].copy_(incoming) if gather else pieces[recv_i].add_(incoming)
+
+
+def ring_ok_p2pop_with_group(t):
+    # the group passed explicitly, peers by group rank, a reduce-scatter written as a helper
+    from torch.distributed import distributed_c10d as c10d
+
+    group = c10d._get_default_group()
+    rank, p = dist.get_rank(group), dist.get_world_size(group)
+    chunks = torch.tensor_split(t, p)
+
+    def step(out, into, add):
+        buf = torch.empty_like(into)
+        ops = [dist.P2POp(dist.isend, out.contiguous(), (rank + 1) % p, group),
+               dist.P2POp(dist.irecv, buf, (rank - 1) % p, group)]
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+        if add:
+            into += buf
+        else:
+            into[:] = buf
+    for s in range(p - 1):
+        step(chunks[(rank - s) % p], chunks[(rank - s - 1) % p], True)
+    for s in range(p - 1):
+        step(chunks[(rank + 1 - s) % p], chunks[(rank - s) % p], False)
+
+
+def ring_ok_isend_irecv_imported(t):
+    # imported isend/irecv, both posted, then both waited
+    from torch.distributed import irecv, isend
+
+    rank, p = dist.get_rank(), dist.get_world_size()
+    chunks = torch.tensor_split(t, p)
+    for phase in (0, 1):
+        for s in range(p - 1):
+            out, into = chunks[(rank - s + phase) % p], chunks[(rank - s - 1 + phase) % p]
+            buf = torch.empty_like(into)
+            works = [isend(out.contiguous(), (rank + 1) % p), irecv(buf, (rank - 1) % p)]
+            for w in works:
+                w.wait()
+            into.copy_(buf) if phase else into.add_(buf)
+
+
 # -- lab 00: ring all-reduce, wrong --------------------------------------------------------------
 def _ring(t, *, buffer=None, gather=True, rs_steps=None, wait=True, rebind=False, send_to=1):
     """The isend ring with one thing changed (each wrong variant below says which)."""
@@ -143,15 +216,86 @@ def ring_recv_everyone_first(t):  # every rank posts a blocking recv first
     dist.send(chunks[rank].clone(), dst=(rank + 1) % p)
 
 
+def ring_p2pop_never_waited(t):  # the works batch_isend_irecv returns are dropped
+    rank, p = dist.get_rank(), dist.get_world_size()
+    chunks = torch.tensor_split(t, p)
+    for phase in (0, 1):
+        for s in range(p - 1):
+            out, into = chunks[(rank - s + phase) % p], chunks[(rank - s - 1 + phase) % p]
+            buf = torch.empty_like(into)
+            dist.batch_isend_irecv([dist.P2POp(dist.isend, out.contiguous(), (rank + 1) % p),
+                                    dist.P2POp(dist.irecv, buf, (rank - 1) % p)])
+            into.copy_(buf) if phase else into.add_(buf)
+
+
+def ring_p2pop_both_right(t):  # the irecv names the right neighbour too
+    rank, p = dist.get_rank(), dist.get_world_size()
+    chunks = torch.tensor_split(t, p)
+    for phase in (0, 1):
+        for s in range(p - 1):
+            out, into = chunks[(rank - s + phase) % p], chunks[(rank - s - 1 + phase) % p]
+            buf = torch.empty_like(into)
+            for w in dist.batch_isend_irecv([dist.P2POp(dist.isend, out.contiguous(), (rank + 1) % p),
+                                             dist.P2POp(dist.irecv, buf, (rank + 1) % p)]):
+                w.wait()
+            into.copy_(buf) if phase else into.add_(buf)
+
+
+def ring_blocking_even_odd(t):  # right on gloo; a blocking exchange that NCCL needs grouped
+    rank, p = dist.get_rank(), dist.get_world_size()
+    chunks = torch.tensor_split(t, p)
+    for phase in (0, 1):
+        for s in range(p - 1):
+            out, into = chunks[(rank - s + phase) % p], chunks[(rank - s - 1 + phase) % p]
+            buf = torch.empty_like(into)
+            if rank % 2:
+                dist.recv(buf, (rank - 1) % p)
+                dist.send(out.contiguous(), (rank + 1) % p)
+            else:
+                dist.send(out.contiguous(), (rank + 1) % p)
+                dist.recv(buf, (rank - 1) % p)
+            into.copy_(buf) if phase else into.add_(buf)
+
+
+def ring_isend_waited_before_recv(t):  # an isend waited at once: a blocking send by another name
+    rank, p = dist.get_rank(), dist.get_world_size()
+    chunks = torch.tensor_split(t, p)
+    for phase in (0, 1):
+        for s in range(p - 1):
+            out, into = chunks[(rank - s + phase) % p], chunks[(rank - s - 1 + phase) % p]
+            buf = torch.empty_like(into)
+            if rank == 0:
+                dist.recv(buf, (rank - 1) % p)
+                dist.isend(out.contiguous(), (rank + 1) % p).wait()
+            else:
+                dist.isend(out.contiguous(), (rank + 1) % p).wait()
+                dist.recv(buf, (rank - 1) % p)
+            into.copy_(buf) if phase else into.add_(buf)
+
+
 RING = {
     "check": lambda cluster, fn: RC.check_ring_all_reduce(cluster, fn),
     "world": 3,
-    "correct": [ring_ok_isend, ring_ok_irecv_isend_lists, ring_ok_dtype_from_tensor],
+    "correct": [ring_ok_isend, ring_ok_irecv_isend_lists, ring_ok_dtype_from_tensor,
+                ring_ok_p2pop_batch, ring_ok_p2pop_imported, ring_ok_p2pop_with_group,
+                ring_ok_isend_irecv_imported, ring_isend_waited_before_recv],
     "wrong": [(ring_never_written, RC.NEVER_WRITTEN), (ring_float64_buffers, RC.DTYPE_MISMATCH),
               (ring_float32_buffers, RC.DTYPE_MISMATCH), (ring_isend_never_waited, RC.MISSING_WAIT),
               (ring_one_step_short, None), (ring_buffer_one_too_long, RC.WRONG_SPLIT),
               (ring_buffer_2d, None), (ring_sends_left, None), (ring_imported_all_reduce, RC.COLLECTIVE),
-              (ring_recv_everyone_first, None)],
+              (ring_recv_everyone_first, None), (ring_p2pop_never_waited, RC.MISSING_WAIT),
+              (ring_p2pop_both_right, None)],
+}
+
+# Lab 00's check judges as NCCL needs (backend="nccl"): the grouped rings pass, and rings that
+# wait for one half of an exchange before posting the other are refused, even on gloo ranks.
+RING_NCCL = {
+    "check": lambda cluster, fn: RC.check_ring_all_reduce(cluster, fn, backend="nccl"),
+    "world": 3,
+    "correct": [ring_ok_p2pop_batch, ring_ok_p2pop_imported, ring_ok_p2pop_with_group,
+                ring_ok_isend_irecv_imported, ring_ok_isend, ring_ok_irecv_isend_lists],
+    "wrong": [(ring_blocking_even_odd, RC.UNGROUPED), (ring_ok_dtype_from_tensor, RC.UNGROUPED),
+              (ring_isend_waited_before_recv, RC.UNGROUPED)] + RING["wrong"],
 }
 
 

@@ -35,6 +35,7 @@ for _m in (NEW, P2P, SMALL, SYNC, _exercise_solutions):
 CATALOGUE = {
     "00 send/recv warm-up": NEW.WARM_UP,
     "00 ring all-reduce": P2P.RING,
+    "00 ring judged for NCCL": P2P.RING_NCCL,
     "02 average_gradients": SYNC.AVERAGE,
     "02 OverlapDDP": SYNC.OVERLAP,
     "03 BucketedDDP": SYNC.BUCKETED,

@@ -341,18 +341,20 @@ def _ring_grouped_as_on_nccl():
     from ddplab.lessons import ring
 
     calls = []
-    real_exchange, real_batch = ring._exchange, dist.batch_isend_irecv
+    real_batch = dist.batch_isend_irecv
 
     def batch(ops):
         calls.append(len(ops))
         return real_batch(ops)
 
-    dist.batch_isend_irecv = batch
-    ring._exchange = lambda *a: real_exchange(*a[:-1], True)  # the device-tensor path
-    t = torch.arange(10.0) * (dist.get_rank() + 1)
-    want = t.clone()
-    dist.all_reduce(want)
-    ring.ring_all_reduce(t)
+    dist.batch_isend_irecv = batch  # every device takes the grouped path now
+    try:
+        t = torch.arange(10.0) * (dist.get_rank() + 1)
+        want = t.clone()
+        dist.all_reduce(want)
+        ring.ring_all_reduce(t)
+    finally:
+        dist.batch_isend_irecv = real_batch
     return torch.equal(t, want), calls
 
 

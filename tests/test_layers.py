@@ -21,7 +21,7 @@ MODULES = {
         "ddplab.cluster": ["", "answers", "backend", "cluster", "diagnosis", "errors", "generations",
                            "gpu_facts", "gpu_locks", "gpus", "lifecycle", "observed", "output",
                            "process", "progress", "rendezvous", "resources", "results", "status",
-                           "subset", "torchrun", "worker"]},
+                           "subset", "torchrun", "worker", "wrapped"]},
     1: {"ddplab.netsim": ["", "costmodel", "link", "simulated"]},
     2: {"ddplab.timeline": ["", "clock", "cuda_events", "metrics", "recorder", "records", "trace"]},
     3: {"ddplab.sync": ["", "_common", "bucket", "bucketed", "comm", "comm_hooks", "ddp_trace",

@@ -130,3 +130,51 @@ def test_exported_script_takes_one_gpu_per_rank_with_nccl(tmp_path, n):
     total = sum(range(n))
     assert by_rank(run.stdout) == {r: [f"rank={r} local_rank={r} world_size={n} device=cuda:{r} "
                                        f"sum={total}", f"pushed {3 * r} 500"] for r in range(n)}
+
+
+# -- nodes agree on one backend (each node counts only its own GPUs) -----------------------------
+def test_nodes_that_can_all_run_nccl_take_it_and_a_mixed_cluster_takes_gloo_saying_why():
+    from ddplab.cluster.torchrun import agree
+
+    both_gpu = {r: ("auto", "nccl") for r in range(4)}
+    assert agree(both_gpu) == ("nccl", None)
+    mixed = {0: ("auto", "nccl"), 1: ("auto", "nccl"), 2: ("auto", "gloo"), 3: ("auto", "gloo")}
+    backend, note = agree(mixed)
+    assert backend == "gloo" and note.startswith("gloo for every rank: ranks 2, 3 have no GPU")
+    assert agree({r: ("auto", "gloo") for r in range(4)}) == ("gloo", None)
+    assert agree({0: ("gloo", "nccl"), 1: ("auto", "nccl")}) == ("gloo", None)  # asked, kept
+
+
+def test_nodes_that_ask_for_different_backends_or_nccl_without_gpus_are_refused_in_words():
+    from ddplab.cluster.torchrun import agree
+
+    with pytest.raises(TorchrunEnvError, match=r"ranks 0, 1 asked for gloo; ranks 2, 3 asked for "
+                                               r"nccl\): pass the same backend"):
+        agree({0: ("gloo", "nccl"), 1: ("gloo", "nccl"), 2: ("nccl", "nccl"), 3: ("nccl", "nccl")})
+    with pytest.raises(TorchrunEnvError, match=r"backend='nccl' was asked for, but rank 3 has no "
+                                               r"GPU of their own"):
+        agree({0: ("nccl", "nccl"), 1: ("nccl", "nccl"), 2: ("auto", "nccl"), 3: ("auto", "gloo")})
+
+
+def test_every_rank_reads_the_same_choices_from_the_store_and_takes_the_same_backend():
+    """Four ranks on two "nodes" (threads sharing one store, as torchrun's processes share
+    the agent's): the node without GPUs makes every rank take gloo."""
+    import datetime
+    import threading
+
+    import torch.distributed as dist
+
+    from ddplab.cluster.torchrun import publish_and_agree
+
+    store, results = dist.HashStore(), {}
+
+    def rank(r):
+        could = "nccl" if r < 2 else "gloo"  # node 0 has a GPU per rank, node 1 none
+        results[r] = publish_and_agree(store, r, 4, "auto", could, datetime.timedelta(seconds=10))
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in (3, 1, 0, 2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(20)
+    assert results == {0: "gloo", 1: "gloo", 2: "gloo", 3: "gloo"}

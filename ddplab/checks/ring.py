@@ -11,7 +11,10 @@ sends first deadlocks; inside the check it stops after ``timeout`` seconds
 with a message instead of hanging.
 
 Named mistakes: a collective used instead of send/recv; deadlock (every rank
-blocked in send); sends and recvs that do not pair up; chunks that do not
+blocked in send); on NCCL, a send and its recv not posted as one group (a wait
+made before the other half of its exchange was posted: a ring of blocking
+send and recv, which gloo runs but NCCL can deadlock on at 3+ ranks; judged
+from what the observing group saw, so it is checked on CPU ranks too); sends and recvs that do not pair up; chunks that do not
 cover the tensor or differ between sender and receiver; the all-gather phase
 missing; a result returned instead of written in place; the tensor never written;
 a buffer of another dtype; an isend/irecv never waited; an average instead of a sum; a correct result that sends more than a ring (not a ring).
@@ -40,14 +43,24 @@ NEVER_WRITTEN = "the tensor was never written"
 DTYPE_MISMATCH = "a buffer of another dtype than the tensor"
 MISSING_WAIT = "an isend/irecv was never waited for"
 RING_WRONG = "the result differs from dist.all_reduce"
+UNGROUPED = "on NCCL, a send and its recv not posted together"
 
 EXPLAIN.update({
     COLLECTIVE: "the exercise is to build all_reduce from dist.send/dist.recv (and isend/irecv); "
                 "no collective may do the work for you.",
     DEADLOCK: "every rank called a blocking dist.send first. A send waits until its receiver "
               "posts the matching recv (on gloo at every size; on NCCL the GPUs may wait the same way), "
-              "so all ranks wait and none receives. Post the send with dist.isend, then recv, then "
-              "wait for the send; or let even ranks send first and odd ranks receive first.",
+              "so all ranks wait and none receives. Post the send and the recv together, then wait "
+              "for both: dist.batch_isend_irecv([dist.P2POp(dist.isend, chunk, right), "
+              "dist.P2POp(dist.irecv, buf, left)]) and .wait() on each work it returns (or "
+              "dist.isend and dist.irecv, then wait for both).",
+    UNGROUPED: "this ring runs on gloo, which pairs sends and recvs as they come, but not as it "
+               "should on NCCL: there a send and the recv that must progress with it have to be one "
+               "group (NCCL's point-to-point guide: calls that need to progress concurrently must be "
+               "merged, or they can deadlock; with 3 or more ranks a ring of blocking sends and "
+               "recvs can). Post both before waiting for either: dist.batch_isend_irecv with two "
+               "dist.P2POp (isend right, irecv left), or dist.isend and dist.irecv, then wait for "
+               "both works.",
     UNPAIRED: "a rank waited for a message that its neighbour never sent (or sent one nobody "
               "received). Every rank sends to (rank + 1) % p and receives from (rank - 1) % p, "
               "the same number of times.",
@@ -140,10 +153,16 @@ def _all_ranks_ok(ok: bool, prefix: str, rank: int, p: int, timeout: float) -> b
     return all(store.get(k) == b"1" for k in keys)
 
 
-def check_ring_all_reduce(cluster, fn, *, lengths=(10, 1001), timeout: float = 5.0, seed: int = 0):
+def check_ring_all_reduce(cluster, fn, *, lengths=(10, 1001), timeout: float = 5.0, seed: int = 0,
+                          backend: str | None = None):
     """Grade ``fn(tensor)``: afterwards ``tensor`` holds the SUM over ranks, as after
     ``dist.all_reduce(tensor)``, using only send/recv (isend/irecv), and each rank sent
-    about 2(p-1)/p of the tensor. Needs a Cluster of at least 3 ranks."""
+    about 2(p-1)/p of the tensor. Needs a Cluster of at least 3 ranks.
+
+    ``backend`` is the backend to judge for (default: the Cluster's). Under ``"nccl"``
+    every wait must come after both halves of its exchange were posted (a send and its
+    recv in one group): a ring that waits for a blocking send before posting its recv
+    is refused, even when the ranks run on gloo."""
     if not callable(fn):
         raise TypeError(f"pass your ring function itself, got {type(fn).__name__}")
     if getattr(cluster, "world_size", 0) < 3:
@@ -166,7 +185,7 @@ def check_ring_all_reduce(cluster, fn, *, lengths=(10, 1001), timeout: float = 5
     except RankError as err:
         raise graders._from_rank_error(err) from None
     try:
-        summary = diagnose(per_rank)
+        summary = diagnose(per_rank, backend or getattr(cluster, "backend", "gloo"))
     except CheckFailed as failed:
         if any(_left_pending(c) for r in per_rank for c in r):
             # an isend/irecv without a partner may still be posted inside gloo: fresh ranks
@@ -186,12 +205,12 @@ def _left_pending(case) -> bool:
     return bool((case.get("log") or {}).get("unfinished"))
 
 
-def diagnose(per_rank: list) -> str:
+def diagnose(per_rank: list, backend: str = "gloo") -> str:
     """A summary if every case passed, else ``CheckFailed`` naming the first mistake."""
     p = len(per_rank)
     for i in range(len(per_rank[0])):
         cases = [r[i] for r in per_rank if i < len(r)]
-        _diagnose_case(cases, p)
+        _diagnose_case(cases, p, backend)
     from ddplab.lessons.ring import ring_bytes_model
 
     lines = [f"ring all-reduce: passed on {p} ranks, {' and '.join(DTYPES)}, lengths "
@@ -204,7 +223,7 @@ def diagnose(per_rank: list) -> str:
     return "\n".join(lines)
 
 
-def _diagnose_case(cases, p):
+def _diagnose_case(cases, p, backend="gloo"):
     import torch
 
     n = cases[0]["n"]
@@ -242,6 +261,10 @@ def _diagnose_case(cases, p):
         if len(stalled) == p and all(op == "send" for op, _ in stalled.values()):
             raise CheckFailed(DEADLOCK, "stopped after the timeout: " + "; ".join(lines) + ".")
         raise CheckFailed(UNPAIRED, "stopped after the timeout: " + "; ".join(lines) + ".")
+    ungrouped = {r: c["log"]["ungrouped"] for r, c in enumerate(cases) if (c.get("log") or {}).get("ungrouped")}
+    if backend == "nccl" and ungrouped:
+        r = min(ungrouped)
+        raise CheckFailed(UNGROUPED, f"rank {r} {where} {ungrouped[r]}.")
     if errors:
         r = min(errors)
         raise CheckFailed(RAISED, f"rank {r} {where}: {errors[r][0]}: {errors[r][1]}\n"

@@ -24,12 +24,16 @@ call to the right one and, on the way,
 The Cluster's ranks join through it (``backend.group_string``), so the
 learner's code, ddplab's reducers and torch DDP are all seen by one mechanism.
 
+Meeting the peers at start-up has a longer limit than a collective
+(``wrapped.py``), so ranks slow to start are not failed by a short timeout.
+
 Leaves out, compared with torch's own groups: ``reduce``/``gather``/``scatter``
 called from C++ (torch's Python trampoline cannot route them here; Python
 callers are served), object collectives' internals (they arrive as the
 all-gathers and broadcasts they are made of), functional collectives
 (``torch.distributed._functional_collectives`` goes through the dispatcher,
-not this object), NCCL's coalescing manager (each op is issued alone),
+not this object), NCCL's coalescing manager for collectives (each collective is
+issued alone; NCCL sends and recvs are grouped, ``wrapped.CoalescedP2P``),
 ``TORCH_DISTRIBUTED_DEBUG=DETAIL``'s wrapper group. The NCCL half is written
 for CUDA tensors but was not run on a GPU where this was written.
 
@@ -47,13 +51,9 @@ import datetime
 import torch
 import torch.distributed as dist
 
+from ddplab.cluster.wrapped import CoalescedP2P, gloo_group, nccl_group, route, seconds
+
 BACKENDS = {"ddplab_gloo": "gloo", "ddplab_nccl": "cpu:gloo,cuda:nccl"}
-
-
-def _seconds(timeout) -> float | None:
-    if timeout is None:
-        return None
-    return timeout.total_seconds() if isinstance(timeout, datetime.timedelta) else float(timeout)
 
 
 class Observing:
@@ -81,12 +81,12 @@ class Observing:
 class ObservedWork(dist._Work):
     """The work a caller gets: waits go through the observers (timeouts, notes)."""
 
-    def __init__(self, work, group: "ObservedGroup", calls: list):
+    def __init__(self, work, group: "ObservedGroup", calls: list, cap=None):
         super().__init__()
-        self.work, self.group, self.calls = work, group, calls
+        self.work, self.group, self.calls, self.cap = work, group, calls, cap
 
     def wait(self, timeout=None):
-        limit = self.group.wait_limit(timeout)
+        limit = self.group.wait_limit(timeout, self.cap)
         for observer, token in self.calls:
             observer.waiting(token)
         try:
@@ -130,12 +130,12 @@ class ObservedGroup(dist.ProcessGroup):
         self.description = description
         self.timeout = timeout
         self.store = store  # the group's own (prefixed) store: observers may meet peers there
-        self.cpu = dist.ProcessGroupGloo(dist.PrefixStore("gloo/", store), rank, size, timeout)
+        # start-up waits longer than a collective may (wrapped.py)
+        self.cpu = gloo_group(dist.PrefixStore("gloo/", store), rank, size, timeout)
         self.cuda = None
         if "nccl" in description:
-            opts = dist.ProcessGroupNCCL.Options()
-            opts._timeout = timeout
-            self.cuda = dist.ProcessGroupNCCL(dist.PrefixStore("nccl/", store), rank, size, opts)
+            self.cuda = nccl_group(dist.PrefixStore("nccl/", store), rank, size, timeout)
+        self.p2p = CoalescedP2P(self.cuda) if self.cuda is not None else None  # wrapped.py
         self.issued = 0  # every collective and point-to-point op, the sequence number
         self.observers: list = []
 
@@ -169,9 +169,9 @@ class ObservedGroup(dist.ProcessGroup):
         finally:
             self.observers.remove(observer)
 
-    def wait_limit(self, asked):
-        """Seconds a wait may take: the caller's limit or the shortest an observer asks for."""
-        limits = [_seconds(asked)] if asked else []
+    def wait_limit(self, asked, cap=None):
+        """Seconds a wait may take: the caller's limit, ``cap`` or the shortest an observer asks for."""
+        limits = [seconds(x) for x in (asked, cap) if x]
         limits += [getattr(o, "timeout", None) for o in self.observers]
         limits = [x for x in limits if x]
         return min(limits) if limits else None
@@ -189,11 +189,13 @@ class ObservedGroup(dist.ProcessGroup):
     def _issue(self, op: str, tensors, call, peer=None):
         observers = list(self.observers)
         calls = [(o, o.launched(op, list(_flat(tensors)), self, peer)) for o in observers]
-        work = call(self._backend(tensors))
+        backend = self._backend(tensors)
+        work = route(self.p2p, op, backend, call, tensors)
         self.issued += 1
         for observer, token in calls:
             work = observer.started(token, work) or work
-        return ObservedWork(work, self, calls)
+        # gloo's sends and recvs keep the start-up limit (wrapped.py): cap their waits
+        return ObservedWork(work, self, calls, self.timeout if backend is self.cpu else None)
 
     # -- collectives (the names torch's c10d calls on a group) ----------------------------
     def allreduce(self, tensors, opts):

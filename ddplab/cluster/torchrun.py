@@ -28,9 +28,18 @@ Several nodes: gloo (which carries CPU tensors, also beside NCCL) is told
 to listen on the interface that reaches MASTER_ADDR (``GLOO_SOCKET_IFNAME``,
 unless set), so that the other nodes can connect to it.
 
-Leaves out, compared with torchrun and torch.distributed: nodes that decide
-on different backends (each node counts its own GPUs under ``auto``: pass
-the same ``backend`` on every node of a mixed cluster), elastic membership
+Several nodes, one backend: each node counts its own GPUs, so a node with a
+GPU per rank and a node without would choose differently, while one group
+needs one backend on every rank. So before the group starts,
+every process leaves in the rendezvous store (the one ``env://`` opens at
+MASTER_ADDR:MASTER_PORT) what it was asked for and what its node can run,
+reads everyone's, and all take the same decision (``agree``): under
+``auto`` nccl only when every rank can have a GPU of its own, else gloo
+(saying which ranks had none); an explicit backend that some node cannot run,
+or different explicit backends on different nodes, are refused in words on
+every rank.
+
+Leaves out, compared with torchrun and torch.distributed: elastic membership
 and restarts (``--max-restarts``), torchrun's error files, and other
 launchers' variables (SLURM_PROCID, OMPI_COMM_WORLD_RANK): set RANK etc.
 from them yourself. ``finish()`` is not in torch: it is how a rank leaves
@@ -108,8 +117,9 @@ def init_from_env(backend: str = "auto", timeout: float | None = None,
                   threads: int | None = None) -> DistEnv:
     """Join the group torchrun started; return this rank's ``DistEnv``.
 
-    ``backend="auto"`` is nccl when every rank on this machine can have its
-    own GPU, else gloo (``resources.choose_backend``, as the Cluster does).
+    ``backend="auto"`` is nccl when every rank, on every node, can have its own
+    GPU, else gloo (each node counts with ``resources.choose_backend``, as the
+    Cluster does; the nodes then agree through the rendezvous store).
     ``timeout`` (seconds) bounds how long a collective may stall; None keeps
     torch's default. ``threads`` defaults to this machine's usable CPUs
     divided by the ranks on it, overriding torchrun's OMP_NUM_THREADS=1.
@@ -125,18 +135,85 @@ def init_from_env(backend: str = "auto", timeout: float | None = None,
     # A launcher that gives each process one GPU of its own (CUDA_VISIBLE_DEVICES=<its GPU>)
     # leaves every process seeing one GPU, its GPU 0: that is one GPU per rank too.
     gpu, gpus = local_gpu(env["local_rank"], env["local_world_size"], resources.visible_gpus())
-    backend = resources.choose_backend(backend, env["local_world_size"], gpus)
+    asked = resources.check_backend(backend)
+    could = resources.choose_backend("auto", env["local_world_size"], gpus)  # this node alone
     torch.set_num_threads(threads or resources.threads_per_rank(env["local_world_size"]))
     # gloo (CPU tensors, also beside NCCL) listens on the interface it is given: the one
     # that reaches MASTER_ADDR, which every node can then reach too.
     os.environ.setdefault("GLOO_SOCKET_IFNAME", interface_towards(os.environ["MASTER_ADDR"]))
-    # env:// reads MASTER_ADDR/MASTER_PORT (and torchrun's agent store) itself. Under
-    # nccl the group also serves CPU tensors through gloo (cluster/backend.py).
+    # env:// opens the store at MASTER_ADDR/MASTER_PORT (torchrun's agent store, or one
+    # rank 0 hosts), with the start-up limit: the nodes meet there before the group starts.
+    from torch.distributed.rendezvous import rendezvous
+
+    from ddplab.cluster.wrapped import startup_timeout
+
+    store, _, _ = next(rendezvous("env://", env["rank"], env["world_size"],
+                                  timeout=startup_timeout(timeout)))
+    backend = publish_and_agree(store, env["rank"], env["world_size"], asked, could,
+                                startup_timeout(timeout))
+    # Under nccl the group also serves CPU tensors through gloo (cluster/backend.py).
     if backend == "nccl":
         warn_if_taken(gpu, env["rank"])
     rank_backend.init_group(backend, rank=env["rank"], world_size=env["world_size"],
-                            timeout=timeout, gpu=gpu, init_method="env://")
+                            timeout=timeout, gpu=gpu, store=store)
     return current_env()
+
+
+AGREE_KEY = "ddplab/backend"
+
+
+def publish_and_agree(store, rank: int, world_size: int, asked: str, could: str, timeout) -> str:
+    """Leave ``asked,could`` for this rank in ``store``, wait for every rank's, and return
+    the backend they all take (``agree``); ``timeout`` is a timedelta."""
+    # one set of keys per torchrun restart: a restarted job must not read the last one's
+    prefix = f"{AGREE_KEY}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+    store.set(f"{prefix}/{rank}", f"{asked},{could}")
+    keys = [f"{prefix}/{r}" for r in range(world_size)]
+    store.wait(keys, timeout)
+    choices = {}
+    for r, key in enumerate(keys):
+        a, c = store.get(key).decode().split(",")
+        choices[r] = (a, c)
+    backend, note = agree(choices)
+    if note and rank == 0:
+        print(f"ddplab: {note}", file=sys.stderr)
+    return backend
+
+
+def agree(choices: dict) -> tuple[str, str | None]:
+    """The backend every rank takes, and a note (or None), from each rank's ``(asked, could)``.
+
+    ``asked`` is what init_from_env was given there (auto, gloo or nccl); ``could`` what
+    that rank's node can run (nccl when each of its ranks has a GPU of its own, else
+    gloo). Raises TorchrunEnvError, naming the ranks, when the asks differ or an asked
+    nccl cannot run on some node; the same on every rank, since all read the same."""
+    def ranks(rs, verb=""):
+        rs = sorted(rs)
+        if len(rs) == 1:
+            return f"rank {rs[0]}" + {"": "", "have": " has"}[verb]
+        return "ranks " + ", ".join(map(str, rs)) + (f" {verb}" if verb else "")
+
+    explicit = {}
+    for r, (a, _) in choices.items():
+        if a != "auto":
+            explicit.setdefault(a, []).append(r)
+    if len(explicit) > 1:
+        told = "; ".join(f"{ranks(rs)} asked for {b}" for b, rs in sorted(explicit.items()))
+        raise TorchrunEnvError(f"the nodes asked for different backends ({told}): pass the same "
+                               "backend to init_from_env on every node, or 'auto' everywhere.")
+    without = [r for r, (_, c) in choices.items() if c != "nccl"]
+    if explicit:
+        (want, _), = explicit.items()
+        if want == "nccl" and without:
+            raise TorchrunEnvError(
+                f"backend='nccl' was asked for, but {ranks(without, 'have')} no GPU of their own (their "
+                "node has fewer visible GPUs than ranks). Start fewer ranks per node there "
+                "(--nproc-per-node), or pass backend='gloo' (or 'auto') on every node.")
+        return want, None
+    if without and len(without) < len(choices):
+        return "gloo", (f"gloo for every rank: {ranks(without, 'have')} no GPU of their own, and "
+                        "one group needs one backend (every rank on nccl needs a GPU per rank).")
+    return ("gloo" if without else "nccl"), None
 
 
 def warn_if_taken(gpu: int, rank: int) -> str | None:

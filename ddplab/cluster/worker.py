@@ -43,7 +43,6 @@ prctl(2); setsid(2); ProcessGroup._get_sequence_number_for_group.
 from __future__ import annotations
 
 import ctypes
-import datetime
 import faulthandler
 import json
 import os
@@ -171,21 +170,19 @@ class _Channel:
         return cloudpickle.loads(self.conn.recv_bytes())
 
 
-# The store waits this long at least: CUDA and NCCL start-up skew between ranks can pass
-# a short collective timeout (lab 06 uses 3 s), which must not fail the rendezvous.
-START_SKEW_S = 60.0
-
-
 def _init_group(cfg: dict) -> None:
     import torch
     import torch.distributed as dist
 
     from ddplab.cluster.backend import init_group
+    from ddplab.cluster.wrapped import startup_timeout
 
     torch.set_num_threads(cfg["threads"])
     # A fresh file in a mode-0700 directory: no listener, nothing another user can open.
-    store = dist.FileStore(cfg["store_path"], cfg["world_size"])  # and, below, start-up skew
-    store.set_timeout(datetime.timedelta(seconds=max(cfg["timeout"], START_SKEW_S)))
+    # Its waits (NCCL's unique id) get the start-up limit: CUDA and NCCL start-up skew
+    # between ranks can pass a short collective timeout (lab 06 uses 3 s).
+    store = dist.FileStore(cfg["store_path"], cfg["world_size"])
+    store.set_timeout(startup_timeout(cfg["timeout"]))
     # nccl ranks: the GPU the kernel chose, and one group for CPU and CUDA tensors (backend.py).
     init_group(cfg["backend"], rank=cfg["rank"], world_size=cfg["world_size"],
                timeout=cfg["timeout"], gpu=cfg.get("gpu"), store=store)

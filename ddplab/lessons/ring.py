@@ -12,9 +12,15 @@ there are. That is why DDP's traffic per step is about twice the gradients'
 size, and why the time of an all-reduce hardly grows with p.
 
 ``ring_all_reduce(tensor)`` is ddplab's version (the lab's exercise is to
-write it); ``watch_p2p`` counts what a rank sends and receives, and a
-blocking ``send`` that waits for its receiver stops after ``timeout``
-seconds with a message instead of hanging. ``send_waits_on_rank`` measures
+write it). Each step posts its send and its receive together
+(``batch_isend_irecv``), then waits: NCCL asks that point-to-point calls which
+must progress at the same time be one group (its user guide, "Point-to-point
+communication"); a ring of blocking ``send`` then ``recv`` is not, and can
+deadlock at 3 or more NCCL ranks. ``watch_p2p`` observes every send and recv
+through the observing group (``ddplab.cluster.observed``), however they are
+spelled, counts them, notes a wait made before the other half of the exchange
+was posted, and stops a wait that finds no partner after ``timeout`` seconds
+with a message instead of hanging. ``send_waits_on_rank`` measures
 how long a blocking ``dist.send`` takes when the receiver is late: on gloo
 (CPU tensors) ``send`` returns only once the receiver has posted its
 ``recv``, whatever the size; on NCCL ``send`` returns to the host once it is
@@ -29,7 +35,9 @@ other than SUM.
 
 References: Patarasuk and Yuan, "Bandwidth optimal all-reduce algorithms for
 clusters of workstations" (2009); Baidu's ring all-reduce write-up (2017);
-NCCL's docs on collective algorithms; torch.distributed send/recv/isend/irecv.
+NCCL's docs on collective algorithms and on point-to-point communication
+(https://docs.nvidia.com/deeplearning/nccl/user-guide/docs/usage/p2p.html);
+torch.distributed send/recv/isend/irecv, P2POp, batch_isend_irecv.
 """
 from __future__ import annotations
 
@@ -37,19 +45,17 @@ import contextlib
 import datetime
 
 _CALLS = 0
-COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter",
-               "reduce_scatter_tensor", "reduce", "broadcast", "all_to_all", "all_to_all_single",
-               "gather", "scatter")
 
 
 def ring_all_reduce(tensor, group=None):
     """SUM ``tensor`` over every rank, in place, with point-to-point messages only.
 
     Works for any length (chunks from ``torch.tensor_split`` differ by at most one
-    element). Each step posts the send with ``isend`` and the receive with ``recv``,
-    then waits for the send: no rank waits for its receiver before receiving itself.
-    Device tensors (NCCL) go as one ``batch_isend_irecv`` per step instead, as NCCL
-    asks of a send and a receive that must progress together.
+    element). Each step posts its send and its receive together, one
+    ``batch_isend_irecv`` of two ``P2POp``, then waits for both: no rank waits for its
+    receiver before receiving itself, and NCCL gets the send and the receive that must
+    progress together as one group, which it needs (gloo would also take ``isend``,
+    ``recv``, then the send's ``wait``).
     """
     import torch
     import torch.distributed as dist
@@ -60,15 +66,12 @@ def ring_all_reduce(tensor, group=None):
     flat = tensor.view(-1)  # a view: chunks below write into ``tensor`` itself
     chunks = torch.tensor_split(flat, p)
     right, left = _peer((rank + 1) % p, group), _peer((rank - 1) % p, group)
-    # NCCL: a send and a receive that run at once must be one group of operations
-    # (batch_isend_irecv), or the ring can deadlock; gloo pairs them as they come.
-    grouped = tensor.device.type != "cpu"
     for step in range(p - 1):  # reduce-scatter: chunk (rank - step) goes right
         send, recv = chunks[(rank - step) % p], chunks[(rank - step - 1) % p]
-        recv.add_(_exchange(send, recv, right, left, group, grouped))
+        recv.add_(_exchange(send, recv, right, left, group))
     for step in range(p - 1):  # all-gather: the finished chunk (rank + 1 - step) goes right
         send, recv = chunks[(rank + 1 - step) % p], chunks[(rank - step) % p]
-        recv.copy_(_exchange(send, recv, right, left, group, grouped))
+        recv.copy_(_exchange(send, recv, right, left, group))
     return tensor
 
 
@@ -96,21 +99,17 @@ def send_waits_on_rank(delay_s: float = 0.5, numel: int = 1) -> dict:
     return {"backend": backend_name(), "send_s": took, "delay_s": delay_s, "numel": numel}
 
 
-def _exchange(send, like, right, left, group, grouped):
-    """Send ``send`` right while receiving a tensor shaped like ``like`` from the left."""
+def _exchange(send, like, right, left, group):
+    """Send ``send`` right while receiving a tensor shaped like ``like`` from the left:
+    both posted as one group, then both waited for."""
     import torch
     import torch.distributed as dist
 
     incoming = torch.empty_like(like)
-    if grouped:
-        ops = [dist.P2POp(dist.isend, send.contiguous(), right, group),
-               dist.P2POp(dist.irecv, incoming, left, group)]
-        for work in dist.batch_isend_irecv(ops):
-            work.wait()
-        return incoming
-    work = dist.isend(send.contiguous(), right, group=group)
-    dist.recv(incoming, left, group=group)
-    work.wait()
+    ops = [dist.P2POp(dist.isend, send.contiguous(), right, group),
+           dist.P2POp(dist.irecv, incoming, left, group)]
+    for work in dist.batch_isend_irecv(ops):
+        work.wait()
     return incoming
 
 
@@ -151,33 +150,19 @@ class SizeMismatch(RuntimeError):
     """A recv posted for another number of elements than its sender sent."""
 
 
-class _Late:
-    """The work ``isend``/``irecv`` return inside ``watch_p2p``: it meets its partner at ``wait()``."""
-
-    def __init__(self, finish, log):
-        self._finish, self._done, self._log = finish, False, log
-        log.unfinished += 1
-
-    def wait(self, timeout=None):
-        if not self._done:
-            self._finish()
-            self._done = True
-            self._log.unfinished -= 1
-        return True
-
-    def is_completed(self):
-        return self._done
-
-
 class P2PLog:
     """What one rank did inside ``watch_p2p``: messages, bytes, collectives called."""
 
     def __init__(self):
         self.sent, self.received, self.collectives = [], [], []
-        # isend/irecv works, kept alive: dropping an unfinished gloo send (the learner's code
+        # the real works, kept alive: dropping an unfinished gloo send (the learner's code
         # raised before waiting) would cancel it and leave its receiver blocked
         self.works = []
-        self.unfinished = 0  # isend/irecv not (successfully) waited for: may still be in gloo
+        self.unfinished = 0  # sends/recvs posted and not (successfully) waited: may still be in gloo
+        self.posted = {"send": 0, "recv": 0}
+        # the first wait for a send (recv) made while this rank had posted fewer recvs (sends):
+        # that exchange was not posted as one group (what NCCL needs, see ring_all_reduce)
+        self.ungrouped = None
 
     @property
     def bytes_sent(self) -> int:
@@ -190,119 +175,109 @@ class P2PLog:
     def as_dict(self) -> dict:
         return {"sent": list(self.sent), "received": list(self.received),
                 "collectives": list(self.collectives), "bytes_sent": self.bytes_sent,
-                "unfinished": self.unfinished,
+                "unfinished": self.unfinished, "ungrouped": self.ungrouped,
                 "bytes_received": self.bytes_received}
+
+
+class P2PWatch:
+    """An observer of the observing group (``ddplab.cluster.observed``) that pairs sends and recvs.
+
+    Every send and recv reaches the group, however it was called (``dist.send``, an
+    imported ``isend``, ``P2POp`` in ``batch_isend_irecv``). Each side leaves a note in the
+    group's store when it posts: the sender ``offered`` (its element count), the receiver
+    ``ready`` (its buffer's). A side that finds the other's note with another count raises
+    ``SizeMismatch`` before posting anything. A wait meets the partner's note first and
+    raises ``P2PStalled`` if none comes within ``timeout``: a blocking send waits for its
+    receiver, as it does on gloo, whatever the backend."""
+
+    def __init__(self, log: P2PLog, store, prefix: str, rank: int, timeout: float):
+        self.log, self.store, self.prefix, self.rank = log, store, prefix, rank
+        self.timeout = timeout  # also caps the real wait (ObservedGroup.wait_limit)
+        self.count: dict = {}  # (src, dst) -> messages posted so far on that pair
+
+    def key(self, src, dst, n, what):
+        return f"{self.prefix}/{src}->{dst}/{n}/{what}"
+
+    def launched(self, op, tensors, group, peer):
+        if op not in ("send", "recv"):
+            self.log.collectives.append(op)
+            return None
+        tensor = tensors[0]
+        src, dst = (self.rank, peer) if op == "send" else (peer, self.rank)
+        n = self.count[src, dst] = self.count.get((src, dst), -1) + 1
+        mine, theirs = ("offered", "ready") if op == "send" else ("ready", "offered")
+        token = {"op": op, "peer": peer, "theirs": self.key(src, dst, n, theirs), "tensor": tensor,
+                 "src": src, "dst": dst}
+        self.store.set(self.key(src, dst, n, mine), str(tensor.numel()))  # first mine, then theirs:
+        if self.store.check([token["theirs"]]):  # one side always sees the other
+            self.same_size(token)  # before posting: nothing is left half-sent
+        record = (peer, tensor.numel(), tensor.numel() * tensor.element_size())
+        (self.log.sent if op == "send" else self.log.received).append(record)
+        self.log.posted[op] += 1
+        self.log.unfinished += 1
+        return token
+
+    def same_size(self, token) -> None:
+        """Raise SizeMismatch when the partner's note gives another element count than ours."""
+        other, mine = int(self.store.get(token["theirs"])), token["tensor"].numel()
+        if other != mine:
+            sent, got = (mine, other) if token["op"] == "send" else (other, mine)
+            raise SizeMismatch(f"rank {token['dst']} posted a recv of {got} elements from rank "
+                               f"{token['src']}, which sent {sent}")
+
+    def started(self, token, work):
+        if token is not None:
+            self.log.works.append((work, token["tensor"]))
+        return None
+
+    def waiting(self, token):
+        if token is None or token.get("waited"):
+            return
+        posted, other = self.log.posted, "recv" if token["op"] == "send" else "send"
+        if self.log.ungrouped is None and posted[other] < posted[token["op"]]:
+            self.log.ungrouped = (f"waited for its {token['op']} {'to' if other == 'recv' else 'from'} "
+                                  f"rank {token['peer']} before posting its {other}")
+        try:
+            self.store.wait([token["theirs"]], datetime.timedelta(seconds=self.timeout))
+        except Exception:  # the store's timeout error type differs between torch versions
+            raise P2PStalled(token["op"], token["peer"], self.timeout) from None
+        self.same_size(token)  # the partner may have posted after we did, and refused
+        token["waited"] = True
+        self.log.unfinished -= 1
+
+    def future_taken(self, token):
+        self.waiting(token)  # a future is waited on through itself: meet the partner now
+
+    def failed(self, token, exc):
+        if token is None:
+            return
+        if token.pop("waited", False):
+            self.log.unfinished += 1  # the real wait failed: still posted
+        if "imed out" in str(exc):
+            raise P2PStalled(token["op"], token["peer"], self.timeout) from None
 
 
 @contextlib.contextmanager
 def watch_p2p(timeout: float = 10.0, tag: str | None = None):
-    """Count this rank's point-to-point traffic; blocking send waits for its receiver.
+    """Count this rank's point-to-point traffic; a blocking send waits for its receiver.
 
-    Inside, ``dist.send/recv/isend/irecv`` (looked up at call time, as learners'
-    code does) are replaced by versions that log ``(peer, numel, bytes)`` and
-    meet their partner through the group's store first: ``send`` and ``recv``
-    wait up to ``timeout`` seconds for the other side and raise ``P2PStalled``
-    instead of hanging; a recv whose buffer size differs from what was sent
-    raises ``SizeMismatch``. Collectives are logged (the exercise forbids them).
-    Every rank must enter it with the same ``tag`` (default: how many times this rank
-    entered it, the same on every rank when all call it alike).
+    Inside, every send and recv on the default group is logged as ``(peer, numel,
+    bytes)`` however it is spelled, and met with its partner (``P2PWatch``): a wait
+    with no partner raises ``P2PStalled`` after ``timeout`` seconds instead of hanging,
+    and a recv whose buffer size differs from what was sent raises ``SizeMismatch``.
+    Collectives are logged (the exercise forbids them). Every rank must enter it with
+    the same ``tag`` (default: how many times this rank entered it, the same on every
+    rank when all call it alike). Needs the observing group (a Cluster's ranks,
+    ``ddplab.init_from_env``).
     """
     import torch.distributed as dist
+
+    from ddplab.cluster.observed import observing
 
     global _CALLS
     _CALLS += 1  # every rank enters in the same order, so the default tags agree
     store = dist.distributed_c10d._get_default_store()
-    prefix = f"ddplab-p2p/{tag or _CALLS}"
-    me = dist.get_rank()
     log = P2PLog()
-    seq_to, seq_from = {}, {}
-    wait = datetime.timedelta(seconds=timeout)
-    real = {name: getattr(dist, name) for name in ("send", "recv", "isend", "irecv") + COLLECTIVES
-            if hasattr(dist, name)}
-
-    def key(src, dst, n, what):
-        return f"{prefix}/{src}->{dst}/{n}/{what}"
-
-    def offer(tensor, dst):
-        n = seq_to[dst] = seq_to.get(dst, -1) + 1
-        store.set(key(me, dst, n, "offered"), str(tensor.numel()))
-        log.sent.append((dst, tensor.numel(), tensor.numel() * tensor.element_size()))
-        return n
-
-    def meet(tensor, src):
-        n = seq_from[src] = seq_from.get(src, -1) + 1
-        store.set(key(src, me, n, "ready"), "1")
-        return n
-
-    def await_key(k, op, peer):
-        try:
-            store.wait([k], wait)
-        except Exception:  # the store's timeout error type differs between torch versions
-            raise P2PStalled(op, peer, timeout) from None
-
-    def check_size(tensor, src, n, drain=False):
-        sent = int(store.get(key(src, me, n, "offered")))
-        if sent != tensor.numel():
-            if drain:  # take the message off the wire, so nothing is left pending in gloo
-                real["recv"](tensor.new_empty(sent), src)
-            raise SizeMismatch(f"rank {me} posted a recv of {tensor.numel()} elements from rank "
-                               f"{src}, which sent {sent}")
-        log.received.append((src, sent, sent * tensor.element_size()))
-
-    def peer_of(kwargs, args, name):
-        value = args[0] if args else kwargs.get(name)
-        if value is None:
-            raise ValueError(f"pass {name}= (the peer's rank): the ring knows its neighbours")
-        return int(value)
-
-    def send(tensor, *args, **kwargs):
-        dst = peer_of(kwargs, args, "dst")
-        n = offer(tensor, dst)
-        await_key(key(me, dst, n, "ready"), "send", dst)  # NCCL semantics: wait for the recv
-        return real["send"](tensor, *args, **kwargs)
-
-    def isend(tensor, *args, **kwargs):
-        dst = peer_of(kwargs, args, "dst")
-        n = offer(tensor, dst)  # no wait here: that is what isend is for
-        work = real["isend"](tensor, *args, **kwargs)
-        log.works.append((work, tensor))
-
-        def finish():  # ...but its wait() stops, rather than hangs, if no recv ever comes
-            await_key(key(me, dst, n, "ready"), "send", dst)
-            work.wait()
-        return _Late(finish, log)
-
-    def recv(tensor, *args, **kwargs):
-        src = peer_of(kwargs, args, "src")
-        n = meet(tensor, src)
-        await_key(key(src, me, n, "offered"), "recv", src)
-        check_size(tensor, src, n, drain=True)
-        return real["recv"](tensor, *args, **kwargs)
-
-    def irecv(tensor, *args, **kwargs):
-        src = peer_of(kwargs, args, "src")
-        n = meet(tensor, src)
-        work = real["irecv"](tensor, *args, **kwargs)  # posted now: its sender may be blocked in send
-        log.works.append((work, tensor))
-
-        def finish():  # meet the sender at wait(): stop, rather than hang, if none comes
-            await_key(key(src, me, n, "offered"), "recv", src)
-            check_size(tensor, src, n)
-            work.wait()
-        return _Late(finish, log)
-
-    def collective(name):
-        def called(*args, **kwargs):
-            log.collectives.append(name)
-            return real[name](*args, **kwargs)
-        return called
-
-    patched = {"send": send, "recv": recv, "isend": isend, "irecv": irecv}
-    patched.update({name: collective(name) for name in COLLECTIVES if name in real})
-    for name, fn in patched.items():
-        setattr(dist, name, fn)
-    try:
+    watch = P2PWatch(log, store, f"ddplab-p2p/{tag or _CALLS}", dist.get_rank(), timeout)
+    with observing(watch):
         yield log
-    finally:
-        for name, fn in real.items():
-            setattr(dist, name, fn)
