@@ -165,8 +165,10 @@ def test_bad_questions_get_errors_that_say_what_to_pass():
         predict(rec, world_size=0)
     with pytest.raises(ValueError, match="bucket_cap_mb must be a positive"):
         predict(rec, bucket_cap_mb=-1)
+    odd = recording(names=True)
+    odd.grads = [g for g in odd.grads if g.param != 0]  # the bytes no longer add up
     with pytest.raises(ValueError, match="give bucket_cap_mb"):
-        predict(recording(names=True))
+        predict(odd)
     with pytest.raises(ValueError, match="unknown link preset"):
         predict(rec, link="carrier-pigeon")
     with pytest.raises(ValueError, match="no iterations"):
@@ -197,3 +199,10 @@ def test_the_labs_timeline_figure_draws_a_prediction_and_says_predicted():
     assert any("PREDICTED from a recording" in t for t in texts)
     assert fig.layout.title.text.startswith("predicted: ddp")
     assert sum(len(t.x) for t in fig.data if t.x is not None) >= 4 + 2 * 3  # buckets and phases
+
+
+def test_buckets_that_name_their_parameters_are_matched_to_gradients_by_bytes():
+    tl = predict(recording(names=True), baseline=baseline())
+    assert [b.params for b in tl.buckets_of(0, 0)] == [("parameter 3", "parameter 2"),
+                                                         ("parameter 1", "parameter 0")]
+    assert summarize(tl)["step_ms"] == pytest.approx(8.5)

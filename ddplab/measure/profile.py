@@ -149,6 +149,24 @@ def _link_samples(samples) -> list:
     return out
 
 
+def _by_bytes(sample) -> list:
+    """Buckets that name their parameters (not indices): the gradients in ready order, cut
+    where the bytes add up to each bucket's size (a rebuilt layout is made in that order).
+    [] when they do not add up, so the recorded layout is not replayed."""
+    units = sorted(sample["units"], key=lambda u: (u[2], u[0]))
+    layout, k = [], 0
+    for b in sample["buckets"]:
+        taken, total = [], 0
+        while k < len(units) and total < b.nbytes:
+            taken.append(units[k][0])
+            total += units[k][1]
+            k += 1
+        if total != b.nbytes:
+            return []
+        layout.append(taken)
+    return layout if k == len(units) else []
+
+
 def read_profile(recording: Timeline, baseline: Timeline | None = None,
                  contention: float | None = None) -> Profile:
     """The compute profile of ``recording`` (see the module docstring).
@@ -197,6 +215,6 @@ def read_profile(recording: Timeline, baseline: Timeline | None = None,
     else:
         layout = [list(b.params) for b in first["buckets"]]
         if not all(isinstance(p, int) for ps in layout for p in ps) or not all(layout):
-            layout = []  # parameter names, not indices: the recorded layout cannot be replayed
+            layout = _by_bytes(first)
     return Profile(recording.world_size, profiles, c, note, _link_samples(busy), from_buckets,
                    layout, recording.meta.get("simulated_link"))
