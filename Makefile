@@ -125,6 +125,7 @@ bench: $(STAMP)
 	$(PY) benchmarks/launch.py
 	$(PY) benchmarks/strategies.py
 	$(PY) benchmarks/per_tensor.py --against $(BEFORE)
+	$(PY) benchmarks/whatif.py
 
 clean:
 	rm -rf $(VENV) $(GPU_VENV) .pytest_cache build *.egg-info test-artifacts
