@@ -18,7 +18,7 @@ __version__ = "0.1.0"
 __all__ = ["Cluster", "launch", "ClusterError", "CollectiveTimeout", "JobTimeout", "RankDied",
            "RankError", "average_gradients", "OverlapDDP", "BucketedDDP", "init_from_env",
            "register_strategy", "build_strategy", "strategy_names", "device", "backend_name",
-           "lab_world_size", "runs_here"]
+           "lab_world_size", "runs_here", "record", "view"]
 
 
 def load_ipython_extension(ipython):
@@ -36,6 +36,22 @@ def unload_ipython_extension(ipython):
 
 
 _SYNC = ("average_gradients", "OverlapDDP", "BucketedDDP")
+
+
+def record(ddp_model, steps=range(0, 5), out=None, process_group=None):
+    """Record ``steps`` of your torch DDP model's training on every rank (ddplab.measure.recording);
+    with ``out="run"`` rank 0 writes run.json, run.trace.json and run.html (the labs' figures)."""
+    from ddplab.cli.view import runs_page
+    from ddplab.measure.recording import record as attach
+
+    return attach(ddp_model, steps, out, process_group, write_page=runs_page)
+
+
+def view(*paths, out=None):
+    """Saved runs side by side (ddplab.cli.view.view): ``ddplab.view("a.json", "b.json")``."""
+    from ddplab.cli.view import view as draw
+
+    return draw(*paths, out=out)
 
 
 def __getattr__(name):

@@ -1,4 +1,4 @@
-"""Command line: ``python -m ddplab doctor``, ``compare`` and ``classroom``."""
+"""Command line: ``python -m ddplab doctor``, ``compare``, ``view`` and ``classroom``."""
 from __future__ import annotations
 
 import argparse
@@ -15,6 +15,10 @@ def main(argv=None) -> int:
 
     cmp = sub.add_parser("compare", help="every strategy side by side in one run (JSON, trace, HTML)")
     add_arguments(cmp)
+    from ddplab.cli import view
+
+    see = sub.add_parser("view", help="saved runs (ddplab.record's run.json) side by side, as a page")
+    view.add_arguments(see)
     from ddplab.course import classroom
 
     room = sub.add_parser("classroom", help="a JupyterHub + nbgrader set-up for a class on one server")
@@ -22,6 +26,8 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if args.command == "classroom":
         return classroom.run(args, room)
+    if args.command == "view":
+        return view.run(args)
     if args.command == "compare":
         from ddplab.cli.compare import run
 

@@ -28,7 +28,7 @@ MODULES = {
                         "layout", "manual", "overlap", "registry", "sparse", "unused",
                         "unused_policy"],
         "ddplab.sync.core": ["", "average", "bucketed", "overlap"]},
-    4: {"ddplab.measure": ["", "compare", "models", "profile", "report", "runners", "spec",
+    4: {"ddplab.measure": ["", "compare", "models", "profile", "recording", "report", "runners", "spec",
                            "sweep", "transformer", "whatif", "workload"]},
     5: {"ddplab.lessons": ["", "checkpoints", "claims", "common", "compression", "data",
                            "firstgroup", "hangs", "pipeline", "reducer_map", "ring", "training"]},
@@ -40,7 +40,7 @@ MODULES = {
     8: {"ddplab.notebook": ["", "completion", "ddpcell", "export", "magics", "rankview"],
         "ddplab.course": ["", "classroom", "classroom_readme", "exercises", "handouts", "hubconfig",
                           "labsetup", "seats"],
-        "ddplab.cli": ["", "compare", "doctor"],
+        "ddplab.cli": ["", "compare", "doctor", "view"],
         "ddplab": ["", "__main__", "_moved"]},
 }
 LAYERS = {f"{pkg}.{m}" if m else pkg: level

@@ -1,0 +1,266 @@
+"""Your run, recorded: per-bucket timelines of a torch DDP model you already train.
+
+Teaches: everything ddplab draws for its own strategies can be drawn for any
+``torch.nn.parallel.DistributedDataParallel`` model, with one call and no change
+to the training loop::
+
+    ddp = DistributedDataParallel(model, ...)
+    rec = ddplab.record(ddp, steps=range(5, 15), out="run")   # the one added line
+    for batch in loader:                                        # the loop as it was
+        loss_fn(ddp(batch)).backward(); opt.step(); opt.zero_grad()
+
+What is stamped, and from where (every stamp says its source):
+- a forward pre-hook and a forward hook on the DDP module: the iteration's
+  start and its forward phase; backward is taken to start when forward ends
+  (the loss in between is counted as backward, ``derived``);
+- a post-accumulate-grad hook on every parameter: when its gradient became
+  ready (``GradRecord``, per parameter, so the run can be re-bucketed later);
+- a comm hook: when each bucket was launched and when its all-reduce ended.
+  torch takes ONE comm hook per model, so the recorder registers a hook that
+  dispatches: to the plain all-reduce (divide, SUM) until you register yours,
+  then to yours (``register_comm_hook`` on this model is wrapped, so a later
+  call of yours lands here). If a hook was registered BEFORE the call (yours,
+  or the one ``mixed_precision=`` installs), the recorder cannot wrap it: the
+  buckets are then taken from torch's logging data with their ready times,
+  and their communication is marked not measured.
+
+At the end of the last step asked for (or at ``finish()``), every rank aligns
+its clock with rank 0's (``ddplab.timeline.clock``), rank 0 gathers the parts
+and writes ``out.json`` (the timeline, the parameters, torch's logging data),
+``out.trace.json`` (Perfetto / chrome://tracing) and, when given a page writer
+(``ddplab.record`` gives the labs' figures), ``out.html``.
+
+Leaves out, compared with the profiler: kernels, memory, the optimizer step as a
+phase of its own (the recorder never sees your optimizer: the time after the
+last all-reduce until the next forward is the iteration's end). On GPUs the
+stamps are host times: when the host asked, not when the GPU ran (labelled
+``cpu``; never run on a GPU here).
+References: torch/nn/parallel/distributed.py (register_comm_hook,
+_get_ddp_logging_data); torch.Tensor.register_post_accumulate_grad_hook;
+torch/distributed/algorithms/ddp_comm_hooks/default_hooks.py (allreduce_hook).
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from ddplab.timeline.clock import estimate_offsets, now
+from ddplab.timeline.records import GradRecord, Timeline
+from ddplab.timeline.recorder import Recorder
+from ddplab.timeline.trace import write_chrome_trace
+
+NOT_MEASURED = ("a comm hook was registered before ddplab.record() was called, so the recorder "
+                "could not wrap it: per-bucket communication is not measured (call record() "
+                "before register_comm_hook, or without mixed_precision=, to measure it)")
+
+
+def logged_buckets(ddp_model) -> list[int]:
+    """torch's own bucket sizes in bytes, from its logging data: the rebuilt layout once
+    the reducer has rebuilt its buckets, else the layout it was built with."""
+    data = ddp_model._get_ddp_logging_data()
+    sizes = data.get("rebuilt_bucket_sizes") if data.get("has_rebuilt_buckets") else None
+    sizes = sizes or data.get("bucket_sizes") or ""
+    return [int(s) for s in str(sizes).replace(",", " ").split()]
+
+
+class RunRecorder:
+    """Attached to one DDP model by ``record()``; see the module docstring."""
+
+    def __init__(self, ddp_model, steps=range(0, 5), out=None, process_group=None,
+                 write_page=None):
+        import torch.distributed as dist
+
+        if not isinstance(steps, range) or len(steps) == 0 or steps.start < 0 or steps.step != 1:
+            raise ValueError(f"steps={steps!r}: give a non-empty range of iterations, e.g. "
+                             "range(5, 15) (iteration 0 is your first forward after this call)")
+        if not dist.is_initialized():
+            raise RuntimeError("ddplab.record() needs the process group your DDP model uses: "
+                               "call it after init_process_group() and DistributedDataParallel(...)")
+        self.ddp, self.steps, self.out, self.write_page = ddp_model, steps, out, write_page
+        self.group = process_group if process_group is not None else ddp_model.process_group
+        self.rank, self.world = dist.get_rank(self.group), dist.get_world_size(self.group)
+        self.backend = dist.get_backend(self.group)
+        self.params = list(ddp_model.module.parameters())
+        self.names = [n for n, _ in ddp_model.module.named_parameters()]
+        self._index = {id(p): i for i, p in enumerate(self.params)}
+        meta = {"recorded": "your run (ddplab.record)", "model": type(ddp_model.module).__name__,
+                "params": [{"name": n, "numel": p.numel(), "dtype": str(p.dtype).replace("torch.", ""),
+                            "requires_grad": p.requires_grad} for n, p in zip(self.names, self.params)]}
+        self.recorder = Recorder("ddp", self.rank, self.world, self.backend, meta)
+        self.grads: list[GradRecord] = []
+        self.iteration = -1
+        self.timeline: Timeline | None = None  # rank 0's gathered run, after finish()
+        self.finished = False
+        self._ready: dict[int, float] = {}
+        self._user_hook = None
+        self.comm_measured = not (ddp_model._comm_hooks or getattr(ddp_model, "mixed_precision", None))
+        self._handles = [ddp_model.register_forward_pre_hook(self._forward_start),
+                         ddp_model.register_forward_hook(self._forward_end)]
+        self._handles += [p.register_post_accumulate_grad_hook(self._grad_ready)
+                          for p in self.params if p.requires_grad]
+        if self.comm_measured:
+            ddp_model.register_comm_hook(self, RunRecorder._dispatch)
+            ddp_model.register_comm_hook = self._register_user_hook  # yours, wrapped when it comes
+        else:
+            self.recorder.timeline.meta["comm_not_measured"] = NOT_MEASURED
+
+    # -- the user's hook, when it comes after us ------------------------------------
+    def _register_user_hook(self, state, hook):
+        if self._user_hook is not None:
+            raise RuntimeError("register_comm_hook can only be called once per DDP model "
+                               "(torch's rule; ddplab.record() keeps it)")
+        self._user_hook = (hook, state)
+        self.ddp.logger._set_comm_hook_name(hook.__qualname__)  # what torch would log
+        self.recorder.timeline.meta["comm_hook"] = hook.__qualname__
+
+    # -- hooks ------------------------------------------------------------------------
+    def _recording(self) -> bool:
+        return self.iteration in self.steps and not self.finished
+
+    def _forward_start(self, module, args):
+        if self.finished:
+            return
+        self._close_wait()
+        self.iteration += 1
+        if self.iteration == self.steps.stop:
+            self.finish()
+            return
+        if self._recording():
+            flags = () if self.ddp.require_backward_grad_sync else ("no_sync",)
+            self.recorder.begin_iteration(self.iteration, flags)
+            self._forward_t0, self._ready, self._last_comm = now(), {}, None
+
+    def _forward_end(self, module, args, output):
+        if self._recording():
+            t = now()
+            self.recorder.set_phase("forward", self._forward_t0, t, "cpu")
+            self._backward_t0 = t
+
+    def _grad_ready(self, param):
+        if self._recording():
+            t = now()
+            i = self._index[id(param)]
+            self._ready[i] = t
+            self.grads.append(GradRecord(self.rank, self.iteration, i,
+                                         param.numel() * param.element_size(), t))
+            self.recorder.set_phase("backward", self._backward_t0, t, "derived")
+
+    @staticmethod
+    def _dispatch(state: "RunRecorder", bucket):
+        import torch.distributed as dist
+
+        recording = state._recording()
+        if recording:
+            index = bucket.index()
+            ready = [state._ready.get(state._index.get(id(p))) for p in bucket.parameters()]
+            t = now()
+            # the bucket was ready when its last gradient was; a gradient whose own hook has
+            # not run yet (DDP's hook ran first) was ready by the time DDP launched
+            state.recorder.grad_ready(index, max((r for r in ready if r is not None), default=t))
+            state.recorder.launch(index, bucket.buffer().numel() * bucket.buffer().element_size(),
+                                  [state.names[state._index[id(p)]] for p in bucket.parameters()
+                                   if id(p) in state._index], t)
+        if state._user_hook is not None:
+            hook, user_state = state._user_hook
+            fut = hook(user_state, bucket)
+        else:  # what DDP does without a hook: divide, then SUM (default_hooks.allreduce_hook)
+            tensor = bucket.buffer().div_(state.world)
+            fut = dist.all_reduce(tensor, group=state.group, async_op=True).get_future()
+            fut = fut.then(lambda f: f.value()[0])
+        if not recording:
+            return fut
+        index = bucket.index()
+
+        def done(f):
+            t = now()
+            state.recorder.comm_done(index, t)
+            state._last_comm = t if state._last_comm is None else max(state._last_comm, t)
+            return f.value()
+
+        return fut.then(done)
+
+    def _close_wait(self) -> None:
+        """The iteration's "wait": from its last gradient to its last all-reduce's end (DDP
+        waits for every bucket at the end of backward, inside loss.backward())."""
+        back = self.recorder.phase_span("backward")
+        last = getattr(self, "_last_comm", None)
+        if back is not None and last is not None and last > back[1]:
+            self.recorder.set_phase("wait", back[1], last, "derived")
+
+    # -- the end ---------------------------------------------------------------------------
+    def finish(self) -> Timeline | None:
+        """Stop recording; on EVERY rank (it runs collectives). Called by itself at the
+        forward after the last step asked for; call it yourself if the loop ends sooner.
+        Returns the gathered run on rank 0 (None elsewhere) and writes the files there."""
+        import torch.distributed as dist
+
+        if self.finished:
+            return self.timeline
+        self.finished = True
+        for h in self._handles:
+            h.remove()
+        self._close_wait()
+        part = self.recorder.result()
+        part.grads = self.grads
+        self._fill_from_logging(part)
+        clock = estimate_offsets(group=self.group)
+        parts = [None] * self.world
+        dist.all_gather_object(parts, part.to_dict(), group=self.group)
+        if self.rank != 0:
+            return None
+        tl = Timeline.merge([Timeline.from_dict(p) for p in parts]).shifted(clock["offsets"])
+        tl.meta.update(clock_bound_s=clock["bound_s"], logged_bucket_sizes=logged_buckets(self.ddp),
+                       ddp_logging_data={k: v for k, v in self.ddp._get_ddp_logging_data().items()
+                                         if isinstance(v, (int, float, str))})
+        self.timeline = tl
+        if self.out is not None:
+            self.save(self.out)
+        return tl
+
+    def _fill_from_logging(self, part: Timeline) -> None:
+        """Without our hook: the buckets from torch's layout, ready when their last gradient was."""
+        if self.comm_measured:
+            return
+        spec = self.ddp._get_ddp_logging_data().get("rebuilt_per_bucket_param_indices") or ""
+        layout = [[int(i) for i in chunk.split()] for chunk in spec.split(",") if chunk.strip()]
+        from ddplab.timeline.records import BucketRecord
+
+        for it in part.iterations:
+            if "no_sync" in it.flags:
+                continue
+            ready = {g.param: g.ready for g in self.grads if g.iteration == it.iteration}
+            for index, members in enumerate(layout):
+                times = [ready[i] for i in members if i in ready]
+                part.buckets.append(BucketRecord(
+                    self.rank, it.iteration, index,
+                    sum(self.params[i].numel() * self.params[i].element_size() for i in members),
+                    tuple(self.names[i] for i in members), min(times, default=None),
+                    max(times, default=None), sources={"grads_ready": "cpu"}))
+
+    def save(self, out) -> dict:
+        """Write out.json, out.trace.json and (with a page writer) out.html; rank 0 only."""
+        if self.timeline is None:
+            raise RuntimeError("nothing to save here: the run is gathered on rank 0 by finish()")
+        out = Path(out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        paths = {"json": out.with_suffix(".json"), "trace": out.with_suffix(".trace.json")}
+        paths["json"].write_text(json.dumps(self.timeline.to_dict()))
+        write_chrome_trace(paths["trace"], self.timeline)
+        if self.write_page is not None:
+            paths["html"] = out.with_suffix(".html")
+            self.write_page(paths["html"], {out.stem: self.timeline})
+        return {k: str(v) for k, v in paths.items()}
+
+
+def record(ddp_model, steps=range(0, 5), out=None, process_group=None, write_page=None):
+    """Record ``steps`` of a torch DDP model's training on every rank; see the module docstring."""
+    return RunRecorder(ddp_model, steps, out, process_group, write_page)
+
+
+def load_run(path) -> Timeline:
+    """A run saved by ``record(..., out=...)`` (or ``compare --json``'s timelines), as a Timeline."""
+    data = json.loads(Path(path).read_text())
+    if "iterations" not in data:
+        raise ValueError(f"{path} is not a recorded run: it has no 'iterations' (write one with "
+                         "ddplab.record(ddp_model, out=...))")
+    return Timeline.from_dict(data)
