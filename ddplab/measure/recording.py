@@ -93,7 +93,11 @@ class RunRecorder:
         self.finished = False
         self._ready: dict[int, float] = {}
         self._user_hook = None
-        self.comm_measured = not (ddp_model._comm_hooks or getattr(ddp_model, "mixed_precision", None))
+        # a hook already there: yours (register_comm_hook), a built-in one
+        # (register_builtin_comm_hook, which only torch's logging data remembers) or
+        # mixed_precision='s own
+        self.comm_measured = not (ddp_model._comm_hooks or getattr(ddp_model, "mixed_precision", None)
+                                  or ddp_model._get_ddp_logging_data().get("comm_hook"))
         self._handles = [ddp_model.register_forward_pre_hook(self._forward_start),
                          ddp_model.register_forward_hook(self._forward_end)]
         self._handles += [p.register_post_accumulate_grad_hook(self._grad_ready)
@@ -162,20 +166,20 @@ class RunRecorder:
                                    if id(p) in state._index], t)
         if state._user_hook is not None:
             hook, user_state = state._user_hook
-            fut = hook(user_state, bucket)
+            fut, unwrap = hook(user_state, bucket), False
         else:  # what DDP does without a hook: divide, then SUM (default_hooks.allreduce_hook)
             tensor = bucket.buffer().div_(state.world)
             fut = dist.all_reduce(tensor, group=state.group, async_op=True).get_future()
-            fut = fut.then(lambda f: f.value()[0])
+            unwrap = True  # a work's future holds [tensor]; DDP wants the tensor
         if not recording:
-            return fut
+            return fut.then(lambda f: f.value()[0]) if unwrap else fut
         index = bucket.index()
 
-        def done(f):
+        def done(f):  # one callback: the stamp and the unwrapping together
             t = now()
             state.recorder.comm_done(index, t)
             state._last_comm = t if state._last_comm is None else max(state._last_comm, t)
-            return f.value()
+            return f.value()[0] if unwrap else f.value()
 
         return fut.then(done)
 
