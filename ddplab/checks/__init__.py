@@ -62,3 +62,7 @@ __all__ += ["check_pipeline_step", "check_agreed_steps"]
 from ddplab.checks.reducer_map import check_bucket_assignment  # noqa: E402
 
 __all__ += ["check_bucket_assignment"]
+
+from ddplab.checks.yourmodel import check_exposed  # noqa: E402
+
+__all__ += ["check_exposed"]

@@ -1,0 +1,65 @@
+"""Lab 10's rank program: your model under torch DDP, recorded with ``ddplab.record``.
+
+Teaches: the loop is the one you would write (DDP, a loss, SGD); one added call records it.
+``record_on_rank`` trains ``steps`` iterations at a given ``bucket_cap_mb`` and returns rank 0's
+recording (a ``Timeline`` as a dict): per-bucket ready/launch/done and per-parameter ready times.
+The lab reads which bucket is exposed from it, asks the what-if
+(``ddplab.measure.whatif``) which cap to use, then records again at that cap to check.
+
+The model, batch and loss are yours: three functions defined in a cell (they travel to the
+ranks by value) or the built-in ``"transformer"`` (``ddplab.measure.transformer``).
+
+Leaves out: GPU placement beyond ``ddplab.device()`` and the optimizer (plain SGD: what it
+costs does not change which bucket is exposed).
+References: ddplab/measure/recording.py; torch.nn.parallel.DistributedDataParallel.
+"""
+from __future__ import annotations
+
+
+def record_on_rank(model="transformer", batch=None, loss=None, bucket_cap_mb=None, steps=8,
+                   batch_size=8, seed=0):
+    """On every rank: DDP(model) at ``bucket_cap_mb`` (None: torch's default), ``steps``
+    iterations, iterations 2.. recorded (0 is torch's one-bucket iteration, 1 its first after
+    the rebuild). Returns the recording as a dict on rank 0, None elsewhere."""
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import ddplab
+    from ddplab.cluster.backend import device
+    from ddplab.measure import models
+
+    if steps < 4:
+        raise ValueError(f"steps={steps}: record at least 4 (iteration 0 is torch's one-bucket "
+                         "iteration; 2.. are recorded)")
+    rank, dev = dist.get_rank(), device()
+    torch.manual_seed(seed)
+    net = (models.build(model, seed=seed) if isinstance(model, str) else model()).to(dev)
+    kwargs = {} if bucket_cap_mb is None else {"bucket_cap_mb": bucket_cap_mb}
+    ddp = DDP(net, device_ids=[dev.index] if dev.type == "cuda" else None, **kwargs)
+    rec = ddplab.record(ddp, steps=range(2, steps))
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.01)
+    for step in range(steps + 1):  # the forward after the last step ends the recording
+        if batch is None:
+            x, y = models.batch(model if isinstance(model, str) else "mlp", batch_size, rank, step)
+        else:
+            x, y = batch(batch_size, rank, step)
+        x, y = x.to(dev), y.to(dev)
+        out = ddp(x)
+        if loss is not None:
+            value = loss(out, y)
+        else:
+            value = torch.nn.functional.cross_entropy(out.flatten(0, -2), y.flatten())
+        if step == steps:
+            break
+        value.backward()
+        opt.step()
+        opt.zero_grad()
+    return None if rec.timeline is None else rec.timeline.to_dict()
+
+
+def measured_step_ms(timeline) -> float:
+    """The median step time of a recording, in ms, over every rank's recorded iterations."""
+    from ddplab.timeline.metrics import summarize
+
+    return summarize(timeline)["step_ms"]
