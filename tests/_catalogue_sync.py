@@ -220,7 +220,7 @@ OVERLAP = {
     "check": lambda c, fn: _off(c, fn, checks.check_overlap_ddp), "world": 2,
     "correct": [OverlapOkDivideAfterWait, OverlapOkCallback, OverlapOkFutures],
     "wrong": [(OverlapBroadcastFromRank1, M.NO_BROADCAST), (OverlapTrainableOnlyBroadcast, M.NO_BROADCAST),
-              (OverlapOnlyUpLayer, None), (OverlapTiedTwice, None), (OverlapWaitsLastOnly, M.NEVER_WAITED),
+              (OverlapOnlyUpLayer, None), (OverlapTiedTwice, M.REDUCED_TWICE), (OverlapWaitsLastOnly, M.NEVER_WAITED),
               (OverlapReducesACopy, M.NO_SYNC_AT_ALL), (OverlapMax, None), (OverlapForwardReturnsNone, M.RAISED),
               (OverlapZeroesInFinish, None)],
 }

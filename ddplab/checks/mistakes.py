@@ -38,6 +38,7 @@ NO_SYNC_NO_DIVISION = "no_sync without dividing the loss by the number of micro-
 REDUCED_IN_NO_SYNC = "a gradient all-reduced inside no_sync"
 NO_SYNC_AT_ALL = "no synchronization at all"
 NEVER_WAITED = "an all-reduce was never waited for"
+REDUCED_TWICE = "one gradient all-reduced twice in a step"
 BAD_LAYOUT = "buckets not laid out by the rule"
 WRONG = "the result differs from one process training on all the data"
 
@@ -68,6 +69,11 @@ EXPLAIN = {
                     "no gradient was all-reduced.",
     NEVER_WAITED: "an async all-reduce was launched and never waited for, so the optimizer may "
                   "read the gradient before the result arrived. Call work.wait() at the end.",
+    REDUCED_TWICE: "the same gradient tensor went through all-reduce twice in one step. A "
+                   "parameter used in two places (tied weights) is ONE parameter with one "
+                   "gradient: hook and reduce each parameter once (model.parameters() already "
+                   "lists a shared parameter once; named_parameters(remove_duplicate=False) "
+                   "does not). Two reductions can even give the right mean by chance.",
     BAD_LAYOUT: "put parameters in buckets in REVERSE model.parameters() order (trainable ones), "
                 "adding each to the open bucket of its dtype and closing that bucket once its "
                 "size reaches bucket_cap_mb (torch's rule); "
@@ -121,6 +127,7 @@ def diagnose(exercise: str, per_rank: list, cfg: dict) -> None:
         never = [x for x in launches if not x["waited"]]
         if never:
             raise CheckFailed(NEVER_WAITED, f"in step {step}: {never[0]['description']}.")
+        _reduced_twice(per_rank, step)
         if classes and all(c["class"] in ("local", "local_scaled") for c in classes):
             raise CheckFailed(NO_SYNC_AT_ALL, _nothing_synced(step, launches))
         if exercise in ("overlap", "bucketed"):
@@ -135,6 +142,21 @@ def diagnose(exercise: str, per_rank: list, cfg: dict) -> None:
             raise CheckFailed(WRONG, f"after step {step} the weights differ from one process's "
                                      f"by up to {gap:.3g} (the gradients looked right: was the "
                                      "optimizer step or the weights changed elsewhere?)")
+
+
+def _reduced_twice(per_rank, step):
+    """The same gradient (the same memory: address and length) reduced twice by one rank."""
+    for rank, facts in enumerate(per_rank):
+        seen = {}
+        for x in facts["steps"][step]["launches"]:
+            if x["kind"] != "grad" or x.get("ptr") is None:
+                continue
+            key = (x["ptr"], x["numel"])
+            if key in seen:
+                raise CheckFailed(REDUCED_TWICE, f"in step {step} on rank {rank}: the gradient of "
+                                                 f"{x['param']} ({x['numel']} elements) was "
+                                                 "all-reduced twice.")
+            seen[key] = x
 
 
 def _values(exercise, per_rank, step, classes, world, cfg):

@@ -152,6 +152,7 @@ class Watch:
         return self._add("launch", seq=self._seq, op=op, kind=kind, param=param,
                          backward=self.backwards if where == "backward" else None,
                          numel=0 if tensor is None else tensor.numel(), phase_=where,
+                         ptr=tensor.data_ptr() if isinstance(tensor, torch.Tensor) else None,
                          nbytes=0 if tensor is None else tensor.numel() * tensor.element_size())
 
     def classify(self, tensor):
@@ -209,6 +210,7 @@ class Watch:
             waited_at = waits[0] if waits else None
             launches.append({
                 "op": e["op"], "kind": e["kind"], "param": e["param"], "numel": e["numel"],
+                "ptr": e.get("ptr"),
                 "phase": e["phase_"], "backward": e.get("backward", None),
                 "waited": waited_at is not None or e.get("future", False),
                 "waited_before_next_hook": (waited_at is not None and e["phase_"] == "backward"
