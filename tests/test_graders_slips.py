@@ -25,7 +25,8 @@ SLIPS = [("00 ring all-reduce", name) for name in ("ring_float64_buffers", "ring
         [("08 pipeline step", name) for name in ("pipe_shape_transposed", "pipe_float64_buffer",
                                                   "pipe_isend_never_waited")] + \
         [("05 batch statistics", "stats_count_local_times_world"),
-         ("07 comm hook", "hook_waits_inside"), ("07 comm hook", "hook_value_one_short")]
+         ("07 comm hook", "hook_waits_inside"), ("07 comm hook", "hook_value_one_short"),
+         ("02 OverlapDDP", "OverlapTiedTwice")]  # at 2 ranks its numbers can come out right
 
 
 @pytest.mark.slow
