@@ -304,3 +304,25 @@ def test_a_function_the_ranks_cannot_unpickle_is_an_error_not_a_crash(cluster2, 
         cluster2.run(kernel_only_mod.f)
     assert info.value.ranks == [0, 1] and cluster2.pids == old  # ranks kept, nothing crashed
     assert cluster2.run(lambda: 3) == [3, 3]
+
+
+def test_a_slow_start_says_what_it_waits_for_and_a_fast_one_says_nothing(capsys):
+    import time
+
+    from ddplab.cluster.generations import StartProgress
+
+    fast = StartProgress(2, "gloo", time.monotonic())
+    fast(0)
+    fast(1)
+    fast.done(0.8)
+    assert capsys.readouterr().err == ""
+    slow = StartProgress(2, "gloo", time.monotonic() - 6.0)  # 6 s in: past the first 5 s
+    slow(1)
+    slow(1)  # not again before another 10 s
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and "1 of 2 ready after 6 s" in err[0] and "imports torch" in err[0]
+    slow.next_s = 0.0  # as if 10 more seconds went by
+    slow(2)
+    slow.done(17.2)
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 2 and "2 of 2 ready" in err[0] and err[1] == "ddplab: 2 rank(s) ready in 17.2 s."

@@ -19,6 +19,7 @@ a network store, membership changes, restart limits.
 from __future__ import annotations
 
 import itertools
+import sys
 import time
 
 from ddplab.cluster import lifecycle
@@ -26,6 +27,31 @@ from ddplab.cluster.errors import ClusterError
 from ddplab.cluster.output import RankOutput
 from ddplab.cluster.process import RankProcesses
 from ddplab.cluster.rendezvous import PrivateRendezvous
+
+
+class StartProgress:
+    """What a slow start says while the kernel waits, so that no cell is silent for long:
+    nothing if the ranks are up within ``first_s``, then a line every ``every_s``, and a last
+    line with the time it took. (Each rank is a new Python process that imports torch and
+    joins the process group; on a loaded 2-core machine that can take half a minute.)"""
+
+    def __init__(self, world_size: int, backend: str, t0: float, first_s: float = 5.0,
+                 every_s: float = 10.0):
+        self.world_size, self.backend, self.t0 = world_size, backend, t0
+        self.next_s, self.every_s, self.spoke = first_s, every_s, False
+
+    def __call__(self, n_ready: int) -> None:
+        waited = time.monotonic() - self.t0
+        if waited >= self.next_s:
+            print(f"ddplab: starting {self.world_size} {self.backend} rank(s): {n_ready} of "
+                  f"{self.world_size} ready after {waited:.0f} s (each imports torch and joins "
+                  "the process group)...", file=sys.stderr, flush=True)
+            self.next_s, self.spoke = waited + self.every_s, True
+
+    def done(self, seconds: float) -> None:
+        if self.spoke:
+            print(f"ddplab: {self.world_size} rank(s) ready in {seconds:.1f} s.", file=sys.stderr,
+                  flush=True)
 
 
 class Generations:
@@ -54,13 +80,15 @@ class Generations:
                               self.gpus)
         try:
             lifecycle.point("start:spawned")
-            first = ranks.wait_ready(deadline=t0 + max(60.0, self.timeout) + 30.0)
+            said = StartProgress(self.world_size, self.backend, t0)
+            first = ranks.wait_ready(deadline=t0 + max(60.0, self.timeout) + 30.0, progress=said)
         except BaseException:
             self._discard(ranks)
             raise
         if all(m[0] == "ready" for m in first) and not self.closed:
             self.ranks, self.stale, self.number = ranks, None, number
             self.start_seconds = time.monotonic() - t0
+            said.done(self.start_seconds)
             return self.start_seconds
         self._discard(ranks)
         if self.closed:  # shut down, or abandoned by an interrupted Cluster(), while starting

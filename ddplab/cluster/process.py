@@ -183,14 +183,17 @@ class RankProcesses:
             return self.budget.reset()
 
     # -- health ----------------------------------------------------------------
-    def wait_ready(self, deadline: float) -> list[tuple]:
-        """Wait for every rank's first message; returns them by rank."""
+    def wait_ready(self, deadline: float, progress=None) -> list[tuple]:
+        """Wait for every rank's first message; returns them by rank. ``progress(n_ready)``
+        is called about once a second while waiting."""
         from multiprocessing.connection import wait
 
         import cloudpickle
 
         first: dict[int, tuple] = {}
         while len(first) < self.world_size:
+            if progress is not None:
+                progress(len(first))
             left = deadline - time.monotonic()
             if left <= 0:
                 break
