@@ -91,7 +91,8 @@ test-labs-ws1: $(STAMP)
 test-hub: $(STAMP)
 	$(PY) -m pip install --quiet -c constraints.txt -e '.[classroom]'
 	npm ci --prefix proxy --no-audit --no-fund
-	DDPLAB_HUB_TEST=1 $(PY) -m pytest -q tests/test_classroom_hub.py tests/test_classroom_grading.py
+	DDPLAB_HUB_TEST=1 $(PY) -m pytest -q tests/test_classroom_hub.py tests/test_classroom_grading.py \
+	  tests/test_classroom_exchange.py
 
 # Every exercise's grader against its mutation catalogue (correct and wrong solutions) on live ranks.
 test-graders: $(STAMP)
