@@ -131,7 +131,8 @@ def test_classroom_writes_a_hub_config_a_course_and_a_readme(tmp_path):
     config = (room / "jupyterhub_config.py").read_text()
     compile(config, "jupyterhub_config.py", "exec")
     for expected in ["allowed_users = set(['ann', 'bob', 'instructor'])", "Seats(gpus_per_learner=0, threads=1)",
-                     f"c.ConfigurableHTTPProxy.command = [{str(Path(sys.executable).resolve())!r}]", "jupyterhub_idle_culler",
+                     "c.ConfigurableHTTPProxy.command = [PYTHON, '-m', 'ddplab.course.proxy_guard', "
+                     f"{str(Path(sys.executable).resolve())!r}]", "jupyterhub_idle_culler",
                      "c.JupyterHub.ip = '127.0.0.1'", "SimpleLocalProcessSpawner", "allow_all = True"]:
         assert expected in config
     course = (room / "course" / "nbgrader_config.py").read_text()

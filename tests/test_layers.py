@@ -40,6 +40,7 @@ MODULES = {
     # the front doors: they may use everything below
     8: {"ddplab.notebook": ["", "completion", "ddpcell", "export", "magics", "rankview"],
         "ddplab.course": ["", "classroom", "classroom_readme", "exercises", "handouts", "hubconfig",
+                          "proxy_guard",
                           "labsetup", "seats"],
         "ddplab.cli": ["", "compare", "doctor", "view"],
         "ddplab": ["", "__main__", "_moved"]},
