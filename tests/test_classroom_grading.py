@@ -1,49 +1,89 @@
-"""nbgrader autograde on live ranks, in a course folder written by `python -m ddplab classroom`.
+"""nbgrader autograde on live ranks, every lab, in a course folder written by `python -m ddplab classroom`.
 
-The instructor's commands (tests/_classroom.py) on four submissions of lab 00: the solution
-scores full marks, the untouched exercise 0, and each planted mistake loses its grader's point
-with the grader's CheckFailed message in the autograded notebook (what the feedback shows).
-nbgrader autogrades one notebook at a time, so at most one lab's ranks run at once.
+The instructor's commands (tests/_classroom.py) on each lab's submissions: the solution scores
+full marks; a submission with one planted slip in EVERY exercise of the lab loses every
+grader's points, and each grader's own words (its CheckFailed mistake, or the assert's message
+for labs 01 and 04, whose graders are plain asserts) are in the autograded notebook, which is
+what the feedback shows. Lab 00 also grades the untouched exercise (0 points, "not implemented
+yet"). nbgrader autogrades one notebook at a time, so at most one lab's ranks run at once.
+
+The slips here are one per grader: they prove that a grader's failure reaches the gradebook and
+the feedback through nbgrader. Every other planted mistake of every grader is run against the
+grader itself by the catalogue (tests/graders_catalogue.py, `make test-graders`, also in make
+check): running each through a whole notebook would cost a lab's run per mistake.
 """
 import os
 
 import pytest
 
-from ddplab.checks import ring
+from ddplab.checks import compression, data, firstgroup, hangs, mistakes, pipeline, reducer_map, ring, yourmodel
 import _classroom as room
 
 pytestmark = [pytest.mark.slow, pytest.mark.hub, pytest.mark.skipif(
     not os.environ.get("DDPLAB_HUB_TEST"), reason="runs under make test-hub (DDPLAB_HUB_TEST=1)")]
 
-MISTAKES = {  # student -> ((line of a solution, what replaces it), the mistake, the grader that names it)
-    "collective": (("    chunks = torch.tensor_split(t, p)",
-                    "    dist.all_reduce(t)\n    return\n    chunks = torch.tensor_split(t, p)"),
-                   ring.COLLECTIVE, "check_my_ring_all_reduce"),
+# lab -> [(line of a solution, what replaces it, the words its grader must say), ...], one per grader
+SLIPS = {
+    "00-first-process-group": [
+        ("    req.wait()\n    return buf", "    req.wait()\n    return t", firstgroup.WRONG_VALUES),
+        ("    chunks = torch.tensor_split(t, p)", "    dist.all_reduce(t)\n    return\n    chunks = torch.tensor_split(t, p)",
+         ring.COLLECTIVE)],
+    "01-when-is-the-sync": [
+        ("    dist.all_reduce(t)          # SUM over the ranks; every rank ends with the result", "    pass",
+         "every rank should end with")],
+    "02-average-gradients-vs-ddp": [
+        ("            p.grad /= world             # the mean loss's gradient", "            pass",
+         mistakes.NO_DIVISION),
+        ("            dist.broadcast(p.data, src=0)           # every rank starts from rank 0's weights",
+         "            pass", mistakes.NO_BROADCAST)],
+    "03-buckets-network-no-sync": [
+        ("torch.cat([p.grad.reshape(-1) for p in bucket]) / self.world_size",
+         "torch.cat([p.grad.reshape(-1) for p in bucket])", mistakes.NO_DIVISION),
+        ("loss = loss_fn(model(x), y) / n", "loss = loss_fn(model(x), y)", mistakes.NO_SYNC_NO_DIVISION)],
+    "04-stragglers-traffic-claims": [
+        ("    dist.all_reduce(t)\n", "", "rank 0 should wait about delay_s")],
+    "05-data-and-checkpoints": [
+        ("    return indices[rank:total:world_size]",
+         "    share = total // world_size\n    return indices[rank * share:(rank + 1) * share]", data.BLOCKS),
+        ("    dist.all_reduce(packed)\n", "", data.LOCAL_STATS)],
+    "06-hangs-and-errors": [
+        ("dist.ReduceOp.MIN", "dist.ReduceOp.MAX", hangs.MAXIMUM)],
+    "07-compression-and-beyond": [
+        ("buffer.to(torch.float16).div_(dist.get_world_size())", "buffer.to(torch.float16)",
+         compression.NO_DIVISION)],
+    "08-traffic-data-vs-model-parallel": [
+        ("    h.requires_grad_()\n", "", pipeline.NO_REQUIRES_GRAD)],
+    "09-inside-torch-reducer": [
+        ("for i in reversed(range(len(params))):", "for i in range(len(params)):", reducer_map.DECLARATION_ORDER)],
+    "10-your-model": [
+        ('b["comm_end"] > backward_end', 'b["comm_end"] >= backward_end', yourmodel.AT_THE_END)],
 }
 
 
 @pytest.mark.timeout(900)
-def test_autograde_solution_untouched_and_planted_mistakes(tmp_path):
-    course = room.make_room(tmp_path / "class", "--roster", str(_roster(tmp_path)),
-                            "--cpu-only", "--proxy", _any_executable()) / "course"
-    room.submit(course, "solution", room.solved())
-    room.submit(course, "untouched", room.exercise())
-    for student, (change, _, _) in MISTAKES.items():
-        room.submit(course, student, room.solved(change=change))
-    scores = room.instructor_grade(course, ["solution", "untouched", *MISTAKES])
-    full = sum(room.points().values())
-    assert full >= 1 and scores["solution"] == full
-    assert scores["untouched"] == 0.0
-    assert "not implemented yet" in room.feedback(course, "untouched")
-    for student, (_, mistake, grader) in MISTAKES.items():
-        assert scores[student] == full - room.points()[grader], student
-        assert mistake in room.feedback(course, student), student
-
-
-def _roster(tmp_path):
-    path = tmp_path / "roster.txt"
-    path.write_text("\n".join(["solution", "untouched", *MISTAKES]) + "\n")
-    return path
+@pytest.mark.parametrize("lab", sorted(SLIPS))
+def test_autograde_solution_and_a_slip_in_every_exercise(tmp_path, lab):
+    students = ["solution", "slipped"] + (["untouched"] if lab == room.LAB else [])
+    roster = tmp_path / "roster.txt"
+    roster.write_text("\n".join(students) + "\n")
+    course = room.make_room(tmp_path / "class", "--roster", str(roster), "--cpu-only",
+                            "--proxy", _any_executable()) / "course"
+    room.submit(course, "solution", room.solved(lab), lab)
+    room.submit(course, "slipped", room.solved(lab, changes=[s[:2] for s in SLIPS[lab]]), lab)
+    if "untouched" in students:
+        room.submit(course, "untouched", room.exercise(lab), lab)
+    scores = room.instructor_grade(course, students, lab)
+    points = room.points(lab)
+    assert len(points) == len(SLIPS[lab]), f"{lab}: a grader without a slip here, or a slip too many"
+    full = sum(points.values())
+    assert full >= 1 and scores["solution"] == full, (lab, scores)
+    assert scores["slipped"] == 0.0, (lab, scores)   # every grader lost its points
+    said = room.feedback(course, "slipped", lab)
+    for _, _, words in SLIPS[lab]:
+        assert words in said, f"{lab}: the feedback does not say {words!r}"
+    if "untouched" in students:
+        assert scores["untouched"] == 0.0
+        assert "not implemented yet" in room.feedback(course, "untouched", lab)
 
 
 def _any_executable():
