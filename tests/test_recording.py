@@ -183,3 +183,43 @@ def test_a_torchrun_script_with_the_one_call_writes_three_files_and_view_draws_t
     missing = subprocess.run([sys.executable, "-m", "ddplab", "view", str(tmp_path / "none.json")],
                              env=env, capture_output=True, text=True, timeout=60)
     assert missing.returncode != 0 and "no such run" in missing.stderr
+
+
+def test_lab_10_measures_the_link_when_the_recording_cannot_teach_it(cluster2, capsys):
+    """Lab 10's what-if cell, run as written, with the recording's link refused (as on a busy
+    machine, where ~1 MB buckets can time as if larger ones were faster): it says so, times
+    all-reduces on the ranks, and picks a cap from the link fitted to them."""
+    import nbformat
+
+    from ddplab.lessons import yourmodel
+    from ddplab.measure import whatif
+    from ddplab.timeline import Timeline
+
+    link = yourmodel.link_of_this_machine(cluster2)
+    assert 0 < link.bandwidth_gbps < float("inf") and link.latency_us >= 0
+    run = Timeline.from_dict(cluster2.run(yourmodel.record_on_rank, "transformer", None, None, 1, 5)[0])
+
+    class Refusing:  # whatif, except that the recording's own link is refused
+        def __getattr__(self, name):
+            return getattr(whatif, name)
+
+        @staticmethod
+        def choose_cap(recording, caps_mb, link=None, **kw):
+            if link is None:
+                raise ValueError("the recording's all-reduce times do not grow with size")
+            return whatif.choose_cap(recording, caps_mb=caps_mb, link=link, **kw)
+
+    class Figure:
+        def show(self):
+            pass
+
+    lab = nbformat.read("labs/10-your-model.ipynb", as_version=4)
+    cell = next(c.source for c in lab.cells if c.id == "cell-11")
+    scope = {"run": run, "whatif": Refusing(), "yourmodel": yourmodel, "cluster": cluster2,
+             "timeline_figure": lambda *a, **k: Figure()}
+    exec(cell, scope)
+    said = capsys.readouterr().out
+    assert "refused your recording's link" in said and "On this machine:" in said
+    assert scope["here"]["best"] in scope["CAPS"]
+    best = scope["here"]["predictions"][scope["here"]["best"]]
+    assert best.meta["whatif"]["link"]["label"] == link.label  # predicted on a measured link
