@@ -239,3 +239,14 @@ os._exit(0)
     assert out.returncode == 0, out.stderr
     seconds, rest = out.stdout.split(" ", 1)
     assert float(seconds) < 60 and rest.strip() == "['ddp', 'ddp_traced', 'manual'] 0"
+
+
+def test_progress_counts_strategies_apart_from_the_traced_copies_it_draws():
+    from types import SimpleNamespace as NS
+
+    from ddplab.measure.compare import _counted
+
+    entries = ["none", "manual", "ddp"]
+    runners = [NS(name=n) for n in entries] + [NS(name="ddp_traced")]
+    assert _counted(entries, runners) == "3 strategies, and a traced copy of ddp to draw"
+    assert _counted(["manual"], [NS(name="manual")]) == "1 strategy"

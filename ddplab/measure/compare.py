@@ -110,11 +110,20 @@ def run_on_rank(spec: RunSpec, strategies: dict | None = None) -> dict:
                 for r in runners[k:] + runners[:k]:  # rotate the order to cancel drift
                     r.step(i)
                 if rank == 0 and spec.progress and (i + 1) % max(1, total // 5) == 0:
-                    print(f"step {i + 1}/{total} done ({len(runners)} strategies)", flush=True)
+                    print(f"step {i + 1}/{total} done ({_counted(entries, runners)})", flush=True)
     finally:
         if link is not None:
             link.close()  # its clock thread ends with the run
     return {"clock": estimate_offsets(), "runs": {r.name: r.finish() for r in runners}}
+
+
+def _counted(entries, runners) -> str:
+    """"6 strategies, and a traced copy of ddp": what a progress line says it trains."""
+    from ddplab.measure.runners import TRACED_SUFFIX
+
+    text = f"{len(entries)} strateg{'y' if len(entries) == 1 else 'ies'}"
+    traced = [r.name[:-len(TRACED_SUFFIX)] for r in runners[len(entries):]]
+    return text + (f", and a traced copy of {', '.join(traced)} to draw" if traced else "")
 
 
 def compare(cluster=None, strategies=RunSpec.strategies, steps: int = RunSpec.steps,
