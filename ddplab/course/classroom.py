@@ -169,8 +169,14 @@ def learner_config(exchange: pathlib.Path) -> str:
         "# Every learner's server runs under one uid with the local-process spawner; nbgrader",
         "# would take the OS user name for all of them (it reads JUPYTERHUB_USER only for",
         "# 'jovyan'), so the student id is the hub's user name.",
+        "# Their submit cache is shared for the same reason, and fetch_feedback returns the",
+        "# feedback of every submission in the cache: one cache per learner.",
         "if os.environ.get('JUPYTERHUB_USER'):",
+        "    from jupyter_core.paths import jupyter_data_dir",
+        "",
         "    c.CourseDirectory.student_id = os.environ['JUPYTERHUB_USER']",
+        "    c.Exchange.cache = os.path.join(jupyter_data_dir(), 'nbgrader_cache',",
+        "                                    os.environ['JUPYTERHUB_USER'])",
         "",
     ])
 
