@@ -175,3 +175,18 @@ def test_a_blocking_gloo_send_returns_only_once_the_receiver_posts_its_recv(thre
         r = three.run(ring.send_waits_on_rank, 0.5, numel)[0]
         assert r["backend"] == "gloo"
         assert r["send_s"] >= 0.4, r
+
+
+def test_a_stall_after_a_rank_returned_with_its_isend_unwaited_is_named_the_missing_wait():
+    """Seen in the catalogue under load: a rank returns with its isend still posted, and its
+    neighbour then stalls. The cause is the missing wait, not an unpaired exchange."""
+    log = {"collectives": [], "unfinished": 0}
+    returned = {"rank": 0, "p": 3, "got": None, "log": dict(log, unfinished=1)}
+    stalled = {"rank": 1, "p": 3, "stalled": ("recv", 0), "log": log}
+    with pytest.raises(CheckFailed) as caught:
+        W.diagnose([returned, stalled, dict(stalled, rank=2)], 4)
+    assert caught.value.mistake == W.MISSING_WAIT
+    # every rank stalled, none returned: the exchange did not pair up
+    with pytest.raises(CheckFailed) as caught:
+        W.diagnose([dict(stalled, rank=r, log=dict(log, unfinished=1)) for r in range(3)], 4)
+    assert caught.value.mistake == W.UNPAIRED

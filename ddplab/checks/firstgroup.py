@@ -86,6 +86,13 @@ def diagnose(per_rank: list, n: int) -> None:
     stalled = {r["rank"]: r["stalled"] for r in per_rank if "stalled" in r}
     if stalled and len(stalled) == p and all(op == "send" for op, _ in stalled.values()):
         raise CheckFailed(DEADLOCK, "every rank was blocked in dist.send")
+    # A rank that returned with its isend/irecv still posted leaves a message in gloo that the
+    # next call may meet: a stall elsewhere is then its consequence, not an unpaired exchange.
+    returned = [r["rank"] for r in per_rank if "stalled" not in r and "error" not in r
+                and (r.get("log") or {}).get("unfinished")]
+    if stalled and returned:
+        raise CheckFailed(MISSING_WAIT, f"rank {returned[0]} returned with an isend/irecv not "
+                                        f"waited for; rank(s) {sorted(stalled)} then stalled")
     if stalled:
         raise CheckFailed(UNPAIRED, "; ".join(f"rank {r} blocked in {op} with rank {peer}"
                                               for r, (op, peer) in sorted(stalled.items())))
