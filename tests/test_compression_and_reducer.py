@@ -175,3 +175,8 @@ def test_torch_rebuilds_buckets_in_grad_ready_order(cluster):
     # the full BucketedDDP: one bucket in iteration 0, then torch's rebuilt layout
     assert len(seen["full"][0]) == 1
     assert seen["full"][1:] == [seen["rebuilt"]] * (len(seen["full"]) - 1)
+    # all three seen at the observing process group (torch's C++ reducer has no Python hook
+    # here): the full reducer launches what torch launches, the reference keeps its layout
+    assert seen["full_launch_sizes"] == seen["launch_sizes"]
+    core = seen["core_launch_sizes"]
+    assert len(core[0]) == len(seen["initial"]) and core == [core[0]] * len(core)

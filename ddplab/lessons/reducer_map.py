@@ -211,7 +211,9 @@ def rebuild_on_rank(steps: int = 3, bucket_cap_mb: float = 0.004) -> dict:
 
     ``ready_order``: parameter names in the order their gradients were accumulated
     (iteration 0); ``launch_sizes``: per iteration, bucket sizes (elements) in launch
-    order (a recording comm hook); ``rebuilt``: buckets after the rebuild, as names, from
+    order, seen at the observing process group (torch's C++ reducer hands it each bucket;
+    no comm hook); ``core_launch_sizes`` and ``full_launch_sizes``: the same for ddplab's
+    reference and full BucketedDDP, seen the same way; ``rebuilt``: buckets after the rebuild, as names, from
     ``_get_ddp_logging_data()``; ``initial``: the reference reducer's layout (reverse
     parameter order, kept: it does not rebuild); ``full``: the full BucketedDDP's layout
     after each iteration, trained beside torch's (one bucket, then torch's rebuild).
@@ -221,9 +223,18 @@ def rebuild_on_rank(steps: int = 3, bucket_cap_mb: float = 0.004) -> dict:
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from ddplab.cluster.backend import device
+    from ddplab.cluster.observed import Observing, observing
     from ddplab.sync import BucketedDDP
+    from ddplab.sync import core
     from ddplab.sync.core import compute_bucket_assignment_by_size
-    from ddplab.sync.ddp_trace import DDPTracer
+
+    class AllReduces(Observing):  # what the group was handed: sizes, in launch order
+        def __init__(self):
+            self.sizes = []
+
+        def launched(self, op, tensors, group, peer):
+            if op == "all_reduce":
+                self.sizes.append(sum(t.numel() for t in tensors))
 
     torch.manual_seed(0)
     model = _declared_out_of_order().to(device())
@@ -234,25 +245,28 @@ def rebuild_on_rank(steps: int = 3, bucket_cap_mb: float = 0.004) -> dict:
     order: list = []
     for n, p in model.named_parameters():
         p.register_post_accumulate_grad_hook(lambda _p, n=n: order.append(n))
-    tracer = DDPTracer(ddp)
     ours = BucketedDDP(_declared_out_of_order().to(device()), bucket_cap_mb=bucket_cap_mb)
+    reference = core.BucketedDDP(_declared_out_of_order().to(device()), bucket_cap_mb=bucket_cap_mb)
     full = []
+    launched = {"ddp": [], "full": [], "core": []}
     g = torch.Generator().manual_seed(dist.get_rank())
     ready = []
     for _ in range(steps):
         order.clear()
         x = torch.randn(16, 8, generator=g).to(device())
-        ddp(x).square().mean().backward()
-        tracer.end_iteration()
+        for name, model_ in (("ddp", ddp), ("full", ours), ("core", reference)):
+            with observing(AllReduces()) as seen:
+                model_(x).square().mean().backward()
+            launched[name].append(seen.sizes)
         ready.append(list(order))
-        ours(x).square().mean().backward()  # its layout is read before the next forward
-        full.append([b["params"] for b in ours.bucket_layout])
+        full.append([b["params"] for b in ours.bucket_layout])  # read before the next forward
     data = ddp._get_ddp_logging_data()
     spec = data.get("rebuilt_per_bucket_param_indices", "")
     rebuilt = [[names[int(i)] for i in chunk.split()] for chunk in spec.split(",") if chunk]
     params = list(model.parameters())
     initial = [[names[i] for i in b]
                for b in compute_bucket_assignment_by_size(params, bucket_cap_mb)]
-    return {"names": names, "ready_order": ready, "launch_sizes": tracer.buckets_seen,
+    return {"names": names, "ready_order": ready, "launch_sizes": launched["ddp"],
+            "full_launch_sizes": launched["full"], "core_launch_sizes": launched["core"],
             "rebuilt": rebuilt, "initial": initial, "full": full,
             "logging": {k: data[k] for k in sorted(data) if "bucket" in k}}
