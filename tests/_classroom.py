@@ -46,20 +46,19 @@ def exercise(lab: str = LAB):
     return nbformat.read(ROOT / "labs" / "exercises" / f"{lab}.ipynb", as_version=4)
 
 
-def solved(lab: str = LAB, change=None, changes=()):
+def solved(lab: str = LAB, changes=()):
     """The exercise with every solution cell written as the lab's solution; each (old, new) of
-    ``changes`` (and ``change``) edits the one solution cell that holds ``old``."""
+    ``changes`` edits the one solution cell that holds ``old``."""
     nb = exercise(lab)
     sources = {c.id: c.source for c in nbformat.read(ROOT / "labs" / f"{lab}.ipynb", as_version=4).cells}
-    changes = list(changes) + ([change] if change is not None else [])
-    changed = dict.fromkeys(old for old, _ in changes)
+    changed = dict.fromkeys((old for old, _ in changes), 0)
     for cell in nb.cells:
         if cell.metadata.get("nbgrader", {}).get("solution"):
             cell.source = sources[cell.id]
             for old, replacement in changes:
                 if old in cell.source:
                     cell.source = cell.source.replace(old, replacement, 1)
-                    changed[old] = (changed[old] or 0) + 1
+                    changed[old] += 1
     missing = [old for old, n in changed.items() if n != 1]
     assert not missing, f"{missing!r}: not in exactly one solution cell of {lab}"
     return nb

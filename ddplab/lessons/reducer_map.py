@@ -213,10 +213,11 @@ def rebuild_on_rank(steps: int = 3, bucket_cap_mb: float = 0.004) -> dict:
     (iteration 0); ``launch_sizes``: per iteration, bucket sizes (elements) in launch
     order, seen at the observing process group (torch's C++ reducer hands it each bucket;
     no comm hook); ``core_launch_sizes`` and ``full_launch_sizes``: the same for ddplab's
-    reference and full BucketedDDP, seen the same way; ``rebuilt``: buckets after the rebuild, as names, from
-    ``_get_ddp_logging_data()``; ``initial``: the reference reducer's layout (reverse
-    parameter order, kept: it does not rebuild); ``full``: the full BucketedDDP's layout
-    after each iteration, trained beside torch's (one bucket, then torch's rebuild).
+    reference and full BucketedDDP, seen the same way; ``rebuilt``: buckets after the
+    rebuild, as names, from ``_get_ddp_logging_data()``; ``initial``: the reference
+    reducer's layout (reverse parameter order, kept: it does not rebuild); ``full``: the full
+    BucketedDDP's layout after each iteration, trained beside torch's (one bucket, then
+    torch's rebuild).
     """
     import torch
     import torch.distributed as dist
@@ -224,9 +225,7 @@ def rebuild_on_rank(steps: int = 3, bucket_cap_mb: float = 0.004) -> dict:
 
     from ddplab.cluster.backend import device
     from ddplab.cluster.observed import Observing, observing
-    from ddplab.sync import BucketedDDP
-    from ddplab.sync import core
-    from ddplab.sync.core import compute_bucket_assignment_by_size
+    from ddplab.sync import BucketedDDP, core
 
     class AllReduces(Observing):  # what the group was handed: sizes, in launch order
         def __init__(self):
@@ -265,7 +264,7 @@ def rebuild_on_rank(steps: int = 3, bucket_cap_mb: float = 0.004) -> dict:
     rebuilt = [[names[int(i)] for i in chunk.split()] for chunk in spec.split(",") if chunk]
     params = list(model.parameters())
     initial = [[names[i] for i in b]
-               for b in compute_bucket_assignment_by_size(params, bucket_cap_mb)]
+               for b in core.compute_bucket_assignment_by_size(params, bucket_cap_mb)]
     return {"names": names, "ready_order": ready, "launch_sizes": launched["ddp"],
             "full_launch_sizes": launched["full"], "core_launch_sizes": launched["core"],
             "rebuilt": rebuilt, "initial": initial, "full": full,
