@@ -9,7 +9,7 @@ from ddplab.cluster import (Cluster, ClusterError, CollectiveTimeout, JobTimeout
                             RankError, launch)
 from ddplab.cluster.backend import backend_name, device
 from ddplab.course.labsetup import lab_world_size, runs_here
-from ddplab.sync.registry import build_strategy, register_strategy, strategy_names
+from ddplab.sync.registry import as_strategy, build_strategy, register_strategy, strategy_names
 from ddplab.cluster.torchrun import init_from_env
 
 _moved.install()  # old import paths fail with a message naming the new one
@@ -17,7 +17,7 @@ _moved.install()  # old import paths fail with a message naming the new one
 __version__ = "0.1.0"
 __all__ = ["Cluster", "launch", "ClusterError", "CollectiveTimeout", "JobTimeout", "RankDied",
            "RankError", "average_gradients", "OverlapDDP", "BucketedDDP", "init_from_env",
-           "register_strategy", "build_strategy", "strategy_names", "device", "backend_name",
+           "register_strategy", "as_strategy", "build_strategy", "strategy_names", "device", "backend_name",
            "lab_world_size", "runs_here", "record", "view"]
 
 

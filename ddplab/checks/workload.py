@@ -19,8 +19,8 @@ tests use the same ingredients):
 
 ``references(...)`` builds what the learner is compared with, in ONE place:
 one process training on the union of every rank's data, and torch's own
-DistributedDataParallel (traced, for the timeline drawn beside the
-learner's). Leaves out: buffers (BatchNorm), uneven batches.
+DistributedDataParallel (drawn from the observing process group, for the
+timeline beside the learner's). Leaves out: buffers (BatchNorm), uneven batches.
 """
 from __future__ import annotations
 
@@ -142,15 +142,17 @@ def references(steps: int, n_micro: int = 1, group=None, recorder=None) -> dict:
         if recorder is not None:
             recorder.begin_iteration(step)
         opt.zero_grad()
-        for m, (x, y) in enumerate(batches):
-            quiet = ddp.no_sync() if m < n_micro - 1 else _nothing()
-            with quiet:
-                loss = _stamped(recorder, "forward", lambda: loss_fn(ddp(x), y) / n_micro)
-                _stamped(recorder, "backward", loss.backward)
-        if tracer is not None:
+        with tracer.watching():  # its buckets, as the process group is handed them
+            for m, (x, y) in enumerate(batches):
+                quiet = ddp.no_sync() if m < n_micro - 1 else _nothing()
+                with quiet:
+                    loss = _stamped(recorder, "forward", lambda: loss_fn(ddp(x), y) / n_micro)
+                    _stamped(recorder, "backward", loss.backward)
+        end = tracer.end_iteration()
+        if recorder is not None:
             # DDP waits for its buckets inside backward: its last grad-ready hook
             # marks where compute ended and the wait began (as compare() draws it).
-            recorder.split_phase("backward", tracer.end_iteration()["backward_compute_end"], "wait")
+            recorder.split_phase("backward", end["backward_compute_end"], "wait")
         _stamped(recorder, "step", opt.step)
         out.append(flat_params(ddp.module))
     if recorder is not None:

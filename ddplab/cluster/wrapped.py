@@ -169,3 +169,12 @@ class BlockWork:
 
     def result(self):
         return self._work().result()
+
+
+def payload_bytes(tensor) -> int:
+    """What a rank hands a collective: numel x element size; for a sparse tensor, the
+    indices and values it holds (its numel is the dense shape's)."""
+    if tensor.is_sparse:
+        return (tensor._indices().numel() * tensor._indices().element_size()
+                + tensor._values().numel() * tensor.element_size())
+    return tensor.numel() * tensor.element_size()

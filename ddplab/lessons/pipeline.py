@@ -2,8 +2,8 @@
 
 Teaches (lab 08):
 - torch DDP sends one gradient per parameter per step, whatever the batch
-  size: ``ddp_traffic_on_rank`` traces torch's own DDP (``DDPTracer``: its
-  buckets go through ddplab's choke point, which counts them);
+  size: ``ddp_traffic_on_rank`` watches torch's own DDP from the observing
+  process group (``DDPTracer``), which counts every bucket it all-reduces;
 - a model split in two stages across two ranks (model parallel, the
   simplest pipeline) sends the activation between the stages forward and
   its gradient backward, so its traffic grows with the batch size:
@@ -235,23 +235,24 @@ def pipeline_traffic_on_rank(batch_size: int, step=pipeline_step) -> dict:
 # On the CPU on purpose, also on NCCL ranks: it counts bytes, which no device changes.
 @comm.cpu_gradients_on_purpose()
 def ddp_traffic_on_rank(batch_size: int, steps: int = 2) -> dict:
-    """Gradient bytes torch DDP all-reduces per step (traced), training the whole model here."""
+    """Gradient bytes torch DDP all-reduces per step, seen at the process group, training the
+    whole model here."""
     import torch.distributed as dist
 
     from ddplab.sync.registry import build_strategy
 
-    built = build_strategy("ddp", two_stage_model(), recorder=comm.ListRecorder())
+    built = build_strategy("ddp", two_stage_model())
     model, tracer = built.model, built.tracer
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     per_step = []
     for step in range(steps):
         x, y = batch(batch_size, seed=1 + dist.get_rank() + 100 * step)
-        with comm.counting() as counted:
+        with tracer.watching():
             opt.zero_grad()
             loss_fn(model(x), y).backward()
-            tracer.end_iteration()
+        seen = tracer.end_iteration()
         opt.step()
-        per_step.append({"bytes": counted.grad_bytes, "calls": counted.grad_calls})
+        per_step.append({"bytes": seen["nbytes"], "calls": seen["n_buckets"]})
     world = dist.get_world_size()
     payload = per_step[-1]["bytes"]
     return {"per_step": per_step, "bytes": payload, "calls": per_step[-1]["calls"],

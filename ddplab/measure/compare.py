@@ -7,10 +7,11 @@ Teaches how to measure fairly on a shared, noisy machine:
 - warm-up steps are excluded, and so are torch DDP's one-bucket first
   iteration and its rebuild;
 - torch DDP is timed unrecorded (its step time is the reference); a traced
-  copy is run alongside for its timeline only. Under a simulated link the
-  timed copy sends its buckets through a plain comm hook into
-  ddplab.sync.comm, where the link lives, so every row pays the same network
-  (the row's ``comm_path`` and its figure say so);
+  copy is run alongside for its timeline only. It, the reference reducers
+  and your own code are drawn from the observing process group, ddplab's
+  strategies from their own stamps (each row's ``comm_path`` says which);
+- a simulated link sits on the process group, so every row pays the same
+  network, whoever makes the all-reduce;
 - the default bucket cap (2 MB, see RunSpec) is below torch's 25 MB on
   purpose, and the figure and the JSON say why;
 - medians over steps, and every rank's clock aligned to rank 0's with the
@@ -32,8 +33,6 @@ from ddplab.timeline import Timeline, add_saved_ms, summarize
 from ddplab.measure.spec import RunSpec, parse_straggler  # noqa: F401 - parse_straggler: public before RunSpec
 
 TORCH_DEFAULT_CAP_MB = 25.0
-DDP_VIA_HOOK_LABEL = ("torch DDP timed with a comm hook through ddplab.sync.comm, "
-                      "so it pays the same simulated link")
 
 
 @dataclasses.dataclass
@@ -201,18 +200,11 @@ def assemble(per_rank, spec: RunSpec, entries: dict, cluster) -> CompareResult:
         traced = name + "_traced"
         if traced in metrics:  # timed unrecorded, drawn from the traced copy
             t = metrics.pop(traced)
-            metrics[name] = dict(t, step_ms=metrics[name]["step_ms"], traced_step_ms=t["step_ms"])
-            via_hook = timelines[name].meta.get("comm_path")
+            metrics[name] = dict(t, step_ms=metrics[name]["step_ms"], traced_step_ms=t["step_ms"],
+                                 comm_bytes_per_step=metrics[name]["comm_bytes_per_step"])
             timelines[name] = timelines.pop(traced)
             timelines[name].strategy = name
-            if via_hook:
-                timelines[name].meta["comm_path"] = via_hook
-        if entry.time_unrecorded:
-            hooked = timelines[name].meta.get("comm_path")
-            metrics[name]["comm_path"] = (hooked + " (simulated link)" if hooked
-                                          else "torch (C++ reducer)")
-            if hooked:
-                timelines[name].meta.setdefault("labels", []).append(DDP_VIA_HOOK_LABEL)
+        metrics[name]["comm_path"] = timelines[name].meta.get("comm_path", "ddplab.sync.comm")
         if labels["bucket_cap_note"] and entry.shape in ("buckets", "torch_ddp"):
             timelines[name].meta.setdefault("labels", []).append(labels["bucket_cap_note"])
     if "none" in metrics:

@@ -31,9 +31,9 @@ def table(result) -> str:
         lines.append("straggler: rank {} slowed x{:g}".format(*labels["straggler"]))
     if labels.get("bucket_cap_note"):
         lines.append(labels["bucket_cap_note"])
-    for name, m in result.metrics.items():
-        if m.get("comm_path", "").startswith("comm hook"):
-            lines.append(f"{name}: all-reduces via {m['comm_path']}")
+    drawn = [n for n, m in result.metrics.items() if m.get("comm_path") == "observing process group"]
+    if drawn:
+        lines.append(f"drawn from the observing process group: {', '.join(drawn)}")
     return "\n".join(lines)
 
 

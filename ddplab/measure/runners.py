@@ -7,11 +7,18 @@ step around them is the same, so it is written once here:
 
 Each strategy comes from ``ddplab.sync.registry`` (the one registry): what
 ``build_strategy`` returns says whether the sync happens inside backward
-(a wrapper's hooks) or after it (``after_backward``). torch DDP is timed on
-a copy built without a recorder (recording costs it a Python hook per
-bucket) and drawn from a second, traced copy, ``ddp_traced``. Under a
-simulated link the timed copy sends its buckets through a plain comm hook
-into ddplab.sync.comm, where the link lives: every row pays the same network.
+(a wrapper's hooks) or after it (``after_backward``). Two ways to be drawn:
+
+- ddplab's own strategies take a ``recorder`` and stamp their buckets
+  themselves, through ``ddplab.sync.comm`` ("comm_path": ``ddplab.sync.comm``);
+- everything else, torch DDP, the reference reducers (``core_*``) and your
+  code (``registry.as_strategy``), is drawn from outside: a
+  ``GroupRecorder`` watches the observing process group during its steps
+  ("comm_path": ``observing process group``). torch DDP is timed on a copy
+  that only counts (recording costs it a Python hook per parameter) and
+  drawn from a second, recorded copy, ``ddp_traced``.
+
+A simulated link sits on the process group itself, so every row pays it.
 
 A straggler is made by SLEEPING on one rank during forward (``factor`` times
 its usual compute), not by burning a core that the other rank needs.
@@ -23,17 +30,22 @@ Leaves out: data loading, mixed precision, learning-rate schedules.
 """
 from __future__ import annotations
 
+import contextlib
 import statistics
 import time
 
 import torch
 
+from ddplab.cluster.observed import observed
 from ddplab.contracts.clock import now
 from ddplab.sync import comm
+from ddplab.timeline.on_group import GroupRecorder
 from ddplab.timeline.recorder import Recorder
 from ddplab.measure import workload
 
 TRACED_SUFFIX = "_traced"  # the drawn copy of a strategy timed without recording
+# where a row's all-reduces were counted and stamped
+COMM_PATHS = {False: "ddplab.sync.comm", True: "observing process group"}
 
 
 class StrategyRunner:
@@ -67,11 +79,18 @@ class StrategyRunner:
         rec = self.recorder if spec.record and not unrecorded else None
         options = {"recorder": rec, "bucket_cap_mb": spec.bucket_cap_mb,
                    "device_ids": [self.device.index] if self.device.type == "cuda" else None}
-        if unrecorded and spec.link is not None and strategy.accepts("through_comm"):
-            options["through_comm"] = True  # the simulated link lives in the choke point
+        self.watch = None  # drawn from the observing group: its hooks go on before the strategy's
+        if strategy.shape != "none" and not strategy.accepts("recorder"):
+            self.watch = GroupRecorder(rec, base.parameters())
         self.built = strategy(base, **options)
+        self.watch = self.built.tracer or self.watch
+        if self.watch is not None and observed() is None:
+            raise RuntimeError(
+                f"{self.name} is drawn from the observing process group, and this rank's group "
+                "is a plain one: start the ranks with ddplab.init_from_env() under torchrun (or "
+                "init_process_group('ddplab_gloo') after ddplab.cluster.observed.register()), "
+                "or use a ddplab.Cluster")
         self.model = self.built.model
-        self.through_comm = bool(options.get("through_comm"))
         self.opt = torch.optim.SGD(self.model.parameters(), lr=spec.lr)
         self.compute_s: list[float] = []
         self.comm_bytes = 0
@@ -89,7 +108,8 @@ class StrategyRunner:
         x, y = workload.make_batch(spec.model, spec.batch, spec.batch_size, self.rank, i,
                                    self.device)
         rec.begin_iteration(i, {"warmup"} if i < spec.warmup else set())
-        with comm.counting() as counted:
+        watch = self.watch
+        with comm.counting() as counted, watch.watching() if watch else contextlib.nullcontext():
             with rec.phase("forward"):
                 slept = self._straggle()
                 loss = self.loss_fn(self.model(x), y)
@@ -97,16 +117,19 @@ class StrategyRunner:
             with rec.phase("backward"):
                 loss.backward()
             if built.after_backward is not None:
-                built.after_backward()
-            if built.tracer is not None:
-                # DDP waits for its buckets inside backward; the last grad-ready
-                # marks where backward's compute ended and the wait began.
-                end = built.tracer.end_iteration()
-                rec.split_phase("backward", end["backward_compute_end"], "wait", source="derived",
-                                event=end["backward_compute_end_event"])
+                # ddplab's own stamp their wait; code drawn from outside waits in this call
+                with rec.phase("wait") if watch else contextlib.nullcontext():
+                    built.after_backward()
+            if watch is not None:
+                end = watch.end_iteration()
+                if built.after_backward is None:
+                    # a wrapper waits for its buckets inside backward; the last grad-ready
+                    # marks where backward's compute ended and the wait began.
+                    rec.split_phase("backward", end["backward_compute_end"], "wait",
+                                    source="derived", event=end["backward_compute_end_event"])
             with rec.phase("step"):
                 self.opt.step()
-        self.comm_bytes = counted.grad_bytes
+        self.comm_bytes = end["nbytes"] if watch is not None else counted.grad_bytes
         rec.end_iteration()
         # Forward + backward compute from the resolved phases: GPU time on a GPU (the host
         # only queues kernels there, in about a millisecond), host time on the CPU.
@@ -116,16 +139,16 @@ class StrategyRunner:
     def finish(self) -> dict:
         tl = self.recorder.result()
         tracer = self.built.tracer
-        if tracer is not None:
+        if tracer is not None:  # torch DDP: its one-bucket and rebuild iterations, its layout
             for it in tl.iterations:
                 it.flags |= tracer.iteration_flags().get(it.iteration, set())
             tl.meta["bucket_layout"] = tracer.bucket_layout()
-        elif hasattr(self.model, "bucket_layout"):
+        elif isinstance(getattr(self.model, "bucket_layout", None), list):
             tl.meta["bucket_layout"] = self.model.bucket_layout
-        # what the choke point counted: the one definition of comm_bytes_per_step
+        # gradient payload bytes of the last step, counted where the strategy's
+        # all-reduces were seen: the one definition of comm_bytes_per_step
         tl.meta["comm_bytes_per_step"] = self.comm_bytes
-        if self.through_comm:
-            tl.meta["comm_path"] = "comm hook through ddplab.sync.comm"
+        tl.meta["comm_path"] = COMM_PATHS[self.watch is not None]
         flat = torch.cat([p.detach().reshape(-1).double() for p in self.model.parameters()])
         return {"timeline": tl.to_dict(), "checksum": float(flat.sum()),
                 "params": flat[: 4096].clone()}

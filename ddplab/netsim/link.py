@@ -13,8 +13,8 @@ How it is applied (clearly labelled "simulated" wherever shown): each rank
 has one link, modelled identically on every rank as a queue. A transfer
 starts when it is launched AND the link is free, lasts the model's time, and
 the all-reduce completes no earlier than both that and the real transfer.
-The delay lives in the future the communication choke point returns: the
-hooks never sleep.
+The delay lives in the future of the work the process group returns
+(``ddplab.netsim.simulated``): the hooks never sleep.
 
 Units: bandwidth in Gbit/s, latency in microseconds, sizes in bytes (MiB when
 shown), bus bandwidth in GB/s.

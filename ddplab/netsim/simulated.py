@@ -10,9 +10,11 @@ Nothing ever sleeps inside an autograd hook.
 
 Install with ``ddplab.sync.comm.using_link(SimulatedLink(model, world_size))``
 on every rank (a ``with`` block), ``close()`` the link afterwards (its clock
-thread then ends), and label every result "simulated". This module knows the
-choke point only through ``ddplab.contracts.protocols.Link``: it imports nothing above
-itself.
+thread then ends), and label every result "simulated". On a rank of the
+observing process group (``ddplab.cluster.observed``, every Cluster rank) the
+link is installed on the group itself (``on_group``): every collective that
+carries data is delayed, whoever makes it, torch DDP's C++ reducer and a
+learner's code included. Elsewhere ``ddplab.sync.comm`` wraps its own calls.
 
 On a GPU the real transfer's end is not known on the host (NCCL's future
 completes when the collective is queued), so the returned future is a CUDA
@@ -34,6 +36,7 @@ import threading
 
 import torch
 
+from ddplab.cluster.wrapped import payload_bytes
 from ddplab.contracts.clock import now
 from ddplab.netsim.link import LinkModel, LinkQueue
 
@@ -67,9 +70,17 @@ class SimulatedWork:
         work.get_future().then(on_real)
 
     def wait(self, timeout=None):
-        self._work.wait()
+        self._work.wait() if timeout is None else self._work.wait(timeout)
         self._future.wait()
         return True
+
+    def result(self):
+        return self._future.value()
+
+    def __getattr__(self, name):  # the rest of a Work (is_success, synchronize...): the real one
+        if name.startswith("_"):
+            raise AttributeError(name)
+        return getattr(self._work, name)
 
     def get_future(self):
         return self._future
@@ -163,8 +174,47 @@ class SimulatedLink:
         """Let the link's clock thread end (after completing what is still pending)."""
         self._clock.stop()
 
+    def on_group(self) -> "OnGroup":
+        """This link as an observer of the observing process group (``group.observing(...)``)."""
+        return OnGroup(self)
+
     def __enter__(self):
         return self
 
     def __exit__(self, *exc):
         self.close()
+
+
+# what carries data over the link: the collectives a reducer uses (a sparse
+# gradient on NCCL travels as all-gathers); barriers and point-to-point ops do not
+LINKED_OPS = ("all_reduce", "broadcast", "all_gather", "all_gather_into_tensor")
+
+
+class OnGroup:
+    """An observer (``ddplab.contracts.protocols.Observer``) that sends the group's
+    collectives over ``link``: each returned work completes no earlier than the model says."""
+
+    timeout = None
+
+    def __init__(self, link):
+        self.link = link
+
+    def launched(self, op, tensors, group, peer):
+        if op not in LINKED_OPS or not tensors:
+            return None
+        return sum(payload_bytes(t) for t in tensors), tensors[0].device
+
+    def started(self, token, work):
+        if token is None:
+            return None
+        nbytes, device = token
+        return self.link.wrap(work, nbytes, None, device=device)
+
+    def waiting(self, token):
+        pass
+
+    def future_taken(self, token):
+        pass
+
+    def failed(self, token, exc):
+        pass

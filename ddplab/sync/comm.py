@@ -43,8 +43,11 @@ import torch
 import torch.distributed as dist
 
 from ddplab.cluster import backend as rank_backend
+from ddplab.cluster.observed import observed
+from ddplab.cluster.wrapped import payload_bytes
 from ddplab.contracts.clock import now
 from ddplab.contracts.protocols import EventRecorder, Link  # noqa: F401 - EventRecorder: what recorders look like
+from ddplab.timeline.on_group import record_launch
 
 # Stamps are seconds on this rank's clock (ddplab.contracts.clock, the one clock every
 # layer shares); ddplab.timeline moves them onto rank 0's clock later.
@@ -147,12 +150,16 @@ def _count(kind, nbytes, bucket):
 
 # ----------------------------------------------------------------------------
 # SIMULATED LINK: ddplab.netsim attaches here, and nowhere else.
-# ``set_link(link)`` installs a ``ddplab.contracts.protocols.Link``: ``wrap(work, nbytes,
+# ``using_link(link)`` installs a ``ddplab.contracts.protocols.Link``: ``wrap(work, nbytes,
 # group, device=...)`` returns a work completing no earlier than the modelled transfer.
-# The delay lives in that returned object, never in a sleep inside a hook, so
-# overlap with backward stays honest.
+# On an observing process group (every Cluster rank) the link goes on the group itself,
+# so every collective meets it, whoever calls it (torch DDP's reducer, the reference
+# reducers, a learner's code); on any other group these functions wrap their own works.
+# The delay lives in the returned object, never in a sleep inside a hook, so overlap
+# with backward stays honest.
 # ----------------------------------------------------------------------------
 _link = None
+_on_groups: list = []  # (group, observer) the installed link is on
 
 
 def set_link(link) -> None:
@@ -160,7 +167,15 @@ def set_link(link) -> None:
     global _link
     if link is not None and not isinstance(link, Link):
         raise TypeError(f"a link needs wrap(work, nbytes, group) (ddplab.contracts.protocols.Link); got {link!r}")
+    for group, observer in _on_groups:
+        group.observers.remove(observer)
+    _on_groups.clear()
     _link = link
+    group = observed()
+    if link is not None and group is not None and hasattr(link, "on_group"):
+        observer = link.on_group()
+        group.observers.insert(0, observer)  # first: recorders see the delayed work
+        _on_groups.append((group, observer))
 
 
 @contextlib.contextmanager
@@ -179,31 +194,27 @@ def link():
     return _link
 
 
+def _link_on(group) -> bool:
+    """Does the installed link already sit on ``group`` (so it delays this work itself)?"""
+    pg = observed(group)
+    return any(g is pg for g, _ in _on_groups)
+
+
 def _after_launch(work, group, recorder, kind, nbytes, bucket, params, device):
-    """Route ``work`` over the simulated link (if any) and stamp launch and done (or enqueued)."""
-    linked, on_device = _link is not None, device.type != "cpu"
-    if linked:  # the device: a GPU's simulated work must make the GPU wait for the real one
+    """Route ``work`` over the simulated link (if the group does not) and stamp launch and done."""
+    if _link is not None and not _link_on(group):
+        # the device: a GPU's simulated work must make the GPU wait for the real one
         work = _link.wrap(work, nbytes, group, device=device)
-    if recorder is None:
-        return work
-    recorder.record("launch", now(), bucket=bucket, kind=kind, nbytes=nbytes, params=tuple(params))
-    timer = getattr(recorder, "device_timer", None)  # optional part of EventRecorder
-    if timer is not None and not linked:
-        # NCCL: a future's callback says when the host saw completion, not when
-        # the GPU finished; device events around the work say that (resolved later).
-        timer.launched(work, bucket, kind)
-        return work
-
-    def stamp_done(_fut):
-        # Over a simulated link the link says when the transfer started and who
-        # decided its end (the model or the slower real transfer).
-        extra = work.done_stamp() if linked else {}
-        # over a link the stamp is the modelled end (the GPU also waits for the real one)
-        event = "enqueued" if on_device and not linked else "done"
-        recorder.record(event, now(), bucket=bucket, kind=kind, **extra)
-
-    work.get_future().then(stamp_done)
+    if recorder is not None:
+        record_launch(recorder, _linked(work), bucket=bucket, kind=kind, nbytes=nbytes,
+                      params=params, on_device=device.type != "cpu")
     return work
+
+
+def _linked(work):
+    """The simulated work behind an observing group's work, if a link wrapped it."""
+    inner = getattr(work, "work", None)
+    return inner if hasattr(inner, "done_stamp") else work
 
 
 # ``make test-gpu`` sets DDPLAB_REQUIRE_DEVICE_GRADS=1: on an NCCL rank a gradient
@@ -247,11 +258,7 @@ def all_reduce(tensor: torch.Tensor, group=None, async_op: bool = False, *, op=N
     """
     if _REQUIRE_DEVICE_GRADS:
         _check_device(tensor, group, kind)
-    if tensor.is_sparse:  # what is sent: this rank's indices and values
-        nbytes = (tensor._indices().numel() * tensor._indices().element_size()
-                  + tensor._values().numel() * tensor.element_size())
-    else:
-        nbytes = tensor.numel() * tensor.element_size()
+    nbytes = payload_bytes(tensor)  # for a sparse tensor, this rank's indices and values
     _count(kind, nbytes, bucket)
     if tensor.is_sparse and _nccl(group):  # NCCL has no sparse all-reduce: gather instead
         from ddplab.sync.sparse import all_reduce_by_gather

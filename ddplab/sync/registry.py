@@ -231,24 +231,84 @@ def _bucketed(module, bucket_cap_mb=None, process_group=None, recorder=None, **o
 
 @register_strategy("ddp", shape="torch_ddp", time_unrecorded=True)
 def _ddp(module, bucket_cap_mb=None, process_group=None, recorder=None, device_ids=None,
-         through_comm=False, **options):
-    """torch's DistributedDataParallel (traced when given a recorder)
+         **options):
+    """torch's DistributedDataParallel, drawn from its process group
 
     ``bucket_cap_mb=None`` is torch's own default (a small first bucket, then
-    25 MB); an explicit 25 gives no small first bucket. ``through_comm=True``:
-    its buckets go through a plain comm hook into ddplab.sync.comm, so a
-    simulated link delays them as it delays ours.
+    25 MB); an explicit 25 gives no small first bucket. Its ``tracer`` watches
+    the observing group (``with built.tracer.watching():``): it counts the
+    buckets and, given a recorder, stamps them.
     """
     from torch.nn.parallel import DistributedDataParallel as DDP
 
+    from ddplab.sync.ddp_trace import DDPTracer
+
     model = DDP(module, bucket_cap_mb=bucket_cap_mb, device_ids=device_ids,
                 process_group=process_group, **options)
-    if recorder is not None:
-        from ddplab.sync.ddp_trace import DDPTracer
+    return Built(model, tracer=DDPTracer(model, recorder, process_group))
 
-        return Built(model, tracer=DDPTracer(model, recorder, process_group))
-    if through_comm:
-        from ddplab.sync.ddp_trace import choke_point_hook
 
-        model.register_comm_hook(process_group, choke_point_hook)
-    return Built(model)
+# -- the reference reducers (ddplab.sync.core): plain torch.distributed calls, drawn
+# from the observing process group like torch DDP (they take no recorder) ------------
+
+@register_strategy("core_manual", shape="after_backward")
+def _core_manual(module, process_group=None):
+    """the reference average_gradients: one all-reduce per parameter, after backward"""
+    from ddplab.sync import core
+
+    return module, lambda: core.average_gradients(module, process_group)
+
+
+@register_strategy("core_manual_flat", shape="after_backward_flat")
+def _core_manual_flat(module, process_group=None):
+    """the reference average_gradients_flat: one all-reduce of a flat buffer, after backward"""
+    from ddplab.sync import core
+
+    return module, lambda: core.average_gradients_flat(module, process_group)
+
+
+@register_strategy("core_overlap", shape="per_parameter")
+def _core_overlap(module, process_group=None):
+    """the reference OverlapDDP: one async all-reduce per parameter, from its hook"""
+    from ddplab.sync import core
+
+    return core.OverlapDDP(module, process_group=process_group)
+
+
+@register_strategy("core_bucketed", shape="buckets")
+def _core_bucketed(module, bucket_cap_mb=None, process_group=None):
+    """the reference BucketedDDP: torch's buckets, launched in index order during backward"""
+    from ddplab.sync import core
+
+    return core.BucketedDDP(module, bucket_cap_mb=bucket_cap_mb, process_group=process_group)
+
+
+_YOURS: set = set()  # names registered by as_strategy: running its cell again replaces them
+
+
+def as_strategy(name: str, code, *args, shape: str = "after_backward",
+                description: str = "") -> Strategy:
+    """Your own code as a strategy ``compare`` can run, registered as ``name``.
+
+    ``code``: a function called after ``loss.backward()`` as ``code(model)``, or a
+    wrapper class built as ``code(model, *args)``; its ``finish_gradient_synchronization()``,
+    if it has one, is called after ``loss.backward()``. It takes no recorder: compare
+    draws it from the observing process group, as it draws torch DDP. Calling it again
+    with the same name replaces it; a built-in name is refused.
+    """
+    if name in _REGISTRY and name not in _YOURS:
+        raise ValueError(f"{name!r} is already a strategy; give your code another name")
+    if isinstance(code, type):
+        def build(module):
+            wrapped = code(module, *args)
+            return wrapped, getattr(wrapped, "finish_gradient_synchronization", None)
+    elif callable(code):
+        def build(module):
+            return module, lambda: code(module)
+    else:
+        raise TypeError(f"as_strategy({name!r}, ...): give a function of the model or a wrapper "
+                        f"class, not {type(code).__name__}")
+    text = description or (inspect.getdoc(code) or "").split("\n")[0] or "your code"
+    _REGISTRY[name] = entry = Strategy(name, build, text, shape)
+    _YOURS.add(name)
+    return entry
