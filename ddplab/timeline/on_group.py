@@ -26,7 +26,11 @@ own strategies (``ddplab.sync.comm``) stamp through it too.
 Leaves out, compared with a reducer that records itself: which parameters a
 bucket holds (the group sees a flat buffer; torch DDP's layout comes from its
 logging data, ``ddplab.sync.ddp_trace``), and anything that is not an
-all-reduce (broadcasts, gathers) as a bucket. On NCCL the device timer stamps
+all-reduce (broadcasts, gathers) as a bucket. The group sees tensors, not
+buckets: EVERY all-reduce in the window is drawn as one, also one made for
+another purpose (a logged loss, ``find_unused_parameters``' map of used
+parameters, PowerSGD's two per bucket). That is why ddplab's full reducers,
+which make such calls, stamp their own buckets (``ddplab.sync.comm``). On NCCL the device timer stamps
 the transfer (never run on a GPU where this was written).
 References: torch.Tensor.register_post_accumulate_grad_hook;
 torch/csrc/distributed/c10d/reducer.cpp (mark_bucket_ready launches buckets
