@@ -9,7 +9,8 @@ from ddplab.cluster import (Cluster, ClusterError, CollectiveTimeout, JobTimeout
                             RankError, launch)
 from ddplab.cluster.backend import backend_name, device
 from ddplab.course.labsetup import lab_world_size, runs_here
-from ddplab.sync.registry import as_strategy, build_strategy, register_strategy, strategy_names
+from ddplab.sync.registry import build_strategy, register_strategy, strategy_names
+from ddplab.sync.yours import as_strategy
 from ddplab.cluster.torchrun import init_from_env
 
 _moved.install()  # old import paths fail with a message naming the new one

@@ -170,7 +170,7 @@ def test_strict_device_check_leaves_gloo_ranks_training():
         from ddplab.lessons import training
         from ddplab.sync import comm
 
-        assert comm._REQUIRE_DEVICE_GRADS
+        assert comm.REQUIRE_DEVICE_GRADS
         return max(training.single_process_gap_on_rank("bucketed", steps=2))
 
     with ddplab.Cluster(2, env={"DDPLAB_REQUIRE_DEVICE_GRADS": "1"}) as c:

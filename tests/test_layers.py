@@ -26,7 +26,7 @@ MODULES = {
     2: {"ddplab.timeline": ["", "clock", "cuda_events", "metrics", "on_group", "recorder", "records",
                            "trace"]},
     3: {"ddplab.sync": ["", "_common", "bucket", "bucketed", "comm", "comm_hooks", "ddp_trace",
-                        "layout", "manual", "overlap", "registry", "sparse", "unused",
+                        "layout", "links", "manual", "overlap", "registry", "sparse", "unused", "yours",
                         "unused_policy"],
         "ddplab.sync.core": ["", "average", "bucketed", "overlap"]},
     4: {"ddplab.measure": ["", "compare", "models", "profile", "recording", "report", "runners", "spec",

@@ -23,7 +23,6 @@ call to the right one and, on the way,
 
 The Cluster's ranks join through it (``backend.group_string``), so the
 learner's code, ddplab's reducers and torch DDP are all seen by one mechanism.
-
 Meeting the peers at start-up has a longer limit than a collective
 (``wrapped.py``), so ranks slow to start are not failed by a short timeout.
 
@@ -40,13 +39,13 @@ for CUDA tensors but was not run on a GPU where this was written.
 References: torch/distributed/distributed_c10d.py (Backend.register_backend,
 _new_process_group_helper: a creator returning a ProcessGroup subclass
 replaces the whole group); torch/csrc/distributed/c10d/PyProcessGroup.hpp
-(which methods C++ callers can reach in Python); ProcessGroupGloo,
-ProcessGroupNCCL.
+(which methods C++ callers can reach in Python); ProcessGroupGloo, ProcessGroupNCCL.
 """
 from __future__ import annotations
 
 import contextlib
 import datetime
+import weakref
 
 import torch
 import torch.distributed as dist
@@ -54,6 +53,7 @@ import torch.distributed as dist
 from ddplab.cluster.wrapped import CoalescedP2P, gloo_group, nccl_group, route, seconds
 
 BACKENDS = {"ddplab_gloo": "gloo", "ddplab_nccl": "cpu:gloo,cuda:nccl"}
+LIVE: "weakref.WeakSet" = weakref.WeakSet()  # this process's observing groups (subgroups too)
 
 
 class Observing:
@@ -138,6 +138,7 @@ class ObservedGroup(dist.ProcessGroup):
         self.p2p = CoalescedP2P(self.cuda) if self.cuda is not None else None  # wrapped.py
         self.issued = 0  # every collective and point-to-point op, the sequence number
         self.observers: list = []
+        LIVE.add(self)
 
     # -- what the Cluster and torch ask of a group -------------------------------------
     def getBackendName(self) -> str:

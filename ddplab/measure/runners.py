@@ -12,11 +12,12 @@ Each strategy comes from ``ddplab.sync.registry`` (the one registry): what
 - ddplab's own strategies take a ``recorder`` and stamp their buckets
   themselves, through ``ddplab.sync.comm`` ("comm_path": ``ddplab.sync.comm``);
 - everything else, torch DDP, the reference reducers (``core_*``) and your
-  code (``registry.as_strategy``), is drawn from outside: a
+  code (``ddplab.as_strategy``), is drawn from outside: a
   ``GroupRecorder`` watches the observing process group during its steps
-  ("comm_path": ``observing process group``). torch DDP is timed on a copy
-  that only counts (recording costs it a Python hook per parameter) and
-  drawn from a second, recorded copy, ``ddp_traced``.
+  ("comm_path": ``observing process group``), timed with its gradient-ready
+  hooks on, as ddplab's own are timed with their stamps on. torch DDP alone
+  is timed on a copy that only counts (recording costs its C++ path a Python
+  hook per parameter) and drawn from a second, recorded copy, ``ddp_traced``.
 
 A simulated link sits on the process group itself, so every row pays it.
 
@@ -122,11 +123,7 @@ class StrategyRunner:
                     built.after_backward()
             if watch is not None:
                 end = watch.end_iteration()
-                if built.after_backward is None:
-                    # a wrapper waits for its buckets inside backward; the last grad-ready
-                    # marks where backward's compute ended and the wait began.
-                    rec.split_phase("backward", end["backward_compute_end"], "wait",
-                                    source="derived", event=end["backward_compute_end_event"])
+                self._split_at_last_gradient(end)
             with rec.phase("step"):
                 self.opt.step()
         self.comm_bytes = end["nbytes"] if watch is not None else counted.grad_bytes
@@ -135,6 +132,19 @@ class StrategyRunner:
         # only queues kernels there, in about a millisecond), host time on the CPU.
         it = rec.timeline.iterations[-1]
         self.compute_s.append(it.phases["backward"][1] - it.phases["forward"][0] - slept)
+
+    def _split_at_last_gradient(self, end: dict) -> None:
+        """Backward's compute ended at the last gradient-ready stamp: what followed inside
+        ``loss.backward()`` (a wrapper waiting in a queued callback) is wait, and so is the
+        wait after it (``finish_gradient_synchronization`` or a function after backward)."""
+        rec = self.recorder
+        after = rec.phase_span("wait")  # the after_backward call, when there was one
+        if rec.split_phase("backward", end["backward_compute_end"], "wait", source="derived",
+                           event=end["backward_compute_end_event"]) and after is not None:
+            rec.set_phase("wait", rec.phase_span("wait")[0], after[1], "derived")
+        if end["on_cpu"] and self.device.type != "cpu" and comm.REQUIRE_DEVICE_GRADS:
+            raise RuntimeError(f"{self.name}: a gradient all-reduce carried a CPU tensor on a GPU "
+                               "rank: the model or its data stayed on the CPU")
 
     def finish(self) -> dict:
         tl = self.recorder.result()

@@ -12,9 +12,12 @@ Install with ``ddplab.sync.comm.using_link(SimulatedLink(model, world_size))``
 on every rank (a ``with`` block), ``close()`` the link afterwards (its clock
 thread then ends), and label every result "simulated". On a rank of the
 observing process group (``ddplab.cluster.observed``, every Cluster rank) the
-link is installed on the group itself (``on_group``): every collective that
-carries data is delayed, whoever makes it, torch DDP's C++ reducer and a
-learner's code included. Elsewhere ``ddplab.sync.comm`` wraps its own calls.
+link is installed on the observing groups themselves (``on_group``): every
+all-reduce, broadcast and all-gather on them is delayed, whoever makes it,
+torch DDP's C++ reducer and a learner's code included. Other ops (reduce-scatter,
+all-to-all, sends and receives, barriers) pass undelayed: the model is a ring
+all-reduce's. On a group that is not observed ``ddplab.sync.comm`` wraps its
+own calls.
 
 On a GPU the real transfer's end is not known on the host (NCCL's future
 completes when the collective is queued), so the returned future is a CUDA
@@ -30,6 +33,7 @@ race, and the later one wins).
 """
 from __future__ import annotations
 
+import contextlib
 import heapq
 import itertools
 import threading
@@ -198,9 +202,20 @@ class OnGroup:
 
     def __init__(self, link):
         self.link = link
+        self._paused = threading.local()
+
+    @contextlib.contextmanager
+    def paused(self):
+        """Within the block, on this thread, collectives pass undelayed: for a caller that
+        makes several collectives of one transfer and delays their result itself."""
+        self._paused.on = True
+        try:
+            yield
+        finally:
+            self._paused.on = False
 
     def launched(self, op, tensors, group, peer):
-        if op not in LINKED_OPS or not tensors:
+        if op not in LINKED_OPS or not tensors or getattr(self._paused, "on", False):
             return None
         return sum(payload_bytes(t) for t in tensors), tensors[0].device
 

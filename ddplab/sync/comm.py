@@ -14,7 +14,8 @@ that
 - tells an optional recorder when things happened (``grad_ready``,
   ``launch``, ``done``, ``wait_start``, ``wait_end``; see below). With
   no recorder the cost is one ``is None`` test per call;
-- is where the simulated link (ddplab.netsim) attaches: see ``set_link``.
+- applies the simulated link (ddplab.netsim) where the process group does not
+  (``ddplab.sync.links``: on a rank's observing groups the link sits on the group).
 
 Payload bytes are what each rank hands to the collective (numel x element
 size), the number the lab calls ``comm_bytes_per_step``. What a ring
@@ -43,10 +44,10 @@ import torch
 import torch.distributed as dist
 
 from ddplab.cluster import backend as rank_backend
-from ddplab.cluster.observed import observed
 from ddplab.cluster.wrapped import payload_bytes
 from ddplab.contracts.clock import now
-from ddplab.contracts.protocols import EventRecorder, Link  # noqa: F401 - EventRecorder: what recorders look like
+from ddplab.contracts.protocols import EventRecorder  # noqa: F401 - what recorders look like
+from ddplab.sync.links import link, link_on, link_paused, set_link, using_link  # noqa: F401 - set_link, using_link: ddplab.sync.comm's names
 from ddplab.timeline.on_group import record_launch
 
 # Stamps are seconds on this rank's clock (ddplab.contracts.clock, the one clock every
@@ -148,63 +149,15 @@ def _count(kind, nbytes, bucket):
         c.add(kind, nbytes, bucket)
 
 
-# ----------------------------------------------------------------------------
-# SIMULATED LINK: ddplab.netsim attaches here, and nowhere else.
-# ``using_link(link)`` installs a ``ddplab.contracts.protocols.Link``: ``wrap(work, nbytes,
-# group, device=...)`` returns a work completing no earlier than the modelled transfer.
-# On an observing process group (every Cluster rank) the link goes on the group itself,
-# so every collective meets it, whoever calls it (torch DDP's reducer, the reference
-# reducers, a learner's code); on any other group these functions wrap their own works.
-# The delay lives in the returned object, never in a sleep inside a hook, so overlap
-# with backward stays honest.
-# ----------------------------------------------------------------------------
-_link = None
-_on_groups: list = []  # (group, observer) the installed link is on
+def _after_launch(work, group, recorder, kind, nbytes, bucket, params, device, linked_here=False):
+    """Route ``work`` over the simulated link (if the group does not) and stamp launch and done.
 
-
-def set_link(link) -> None:
-    """Install (or, with ``None``, remove) a simulated link for this process."""
-    global _link
-    if link is not None and not isinstance(link, Link):
-        raise TypeError(f"a link needs wrap(work, nbytes, group) (ddplab.contracts.protocols.Link); got {link!r}")
-    for group, observer in _on_groups:
-        group.observers.remove(observer)
-    _on_groups.clear()
-    _link = link
-    group = observed()
-    if link is not None and group is not None and hasattr(link, "on_group"):
-        observer = link.on_group()
-        group.observers.insert(0, observer)  # first: recorders see the delayed work
-        _on_groups.append((group, observer))
-
-
-@contextlib.contextmanager
-def using_link(link):
-    """Within the block, every collective here goes over ``link`` (a Link or None)."""
-    previous = _link
-    set_link(link)
-    try:
-        yield link
-    finally:
-        set_link(previous)
-
-
-def link():
-    """The installed simulated link, or ``None`` (real communication only)."""
-    return _link
-
-
-def _link_on(group) -> bool:
-    """Does the installed link already sit on ``group`` (so it delays this work itself)?"""
-    pg = observed(group)
-    return any(g is pg for g, _ in _on_groups)
-
-
-def _after_launch(work, group, recorder, kind, nbytes, bucket, params, device):
-    """Route ``work`` over the simulated link (if the group does not) and stamp launch and done."""
-    if _link is not None and not _link_on(group):
+    The link (``ddplab.sync.links``) sits on every observing process group; on any other group,
+    or for a transfer made of several collectives (``linked_here``), it is applied here."""
+    installed = link()
+    if installed is not None and (linked_here or not link_on(group)):
         # the device: a GPU's simulated work must make the GPU wait for the real one
-        work = _link.wrap(work, nbytes, group, device=device)
+        work = installed.wrap(work, nbytes, group, device=device)
     if recorder is not None:
         record_launch(recorder, _linked(work), bucket=bucket, kind=kind, nbytes=nbytes,
                       params=params, on_device=device.type != "cpu")
@@ -220,7 +173,7 @@ def _linked(work):
 # ``make test-gpu`` sets DDPLAB_REQUIRE_DEVICE_GRADS=1: on an NCCL rank a gradient
 # all-reduce of a CPU tensor then raises. The group would carry it (through gloo),
 # but a lab that left its model on the CPU would time the wrong thing in silence.
-_REQUIRE_DEVICE_GRADS = os.environ.get("DDPLAB_REQUIRE_DEVICE_GRADS") == "1"
+REQUIRE_DEVICE_GRADS = os.environ.get("DDPLAB_REQUIRE_DEVICE_GRADS") == "1"
 
 
 def _nccl(group) -> bool:
@@ -256,7 +209,7 @@ def all_reduce(tensor: torch.Tensor, group=None, async_op: bool = False, *, op=N
     With ``async_op=True`` returns the work (``.wait()``, ``.get_future()``);
     otherwise waits and returns ``None``, as torch does.
     """
-    if _REQUIRE_DEVICE_GRADS:
+    if REQUIRE_DEVICE_GRADS:
         _check_device(tensor, group, kind)
     nbytes = payload_bytes(tensor)  # for a sparse tensor, this rank's indices and values
     _count(kind, nbytes, bucket)
@@ -265,11 +218,19 @@ def all_reduce(tensor: torch.Tensor, group=None, async_op: bool = False, *, op=N
 
         if op not in (None, dist.ReduceOp.SUM):
             raise ValueError(f"a sparse all-reduce on an NCCL rank can only SUM, not {op}")
-        work = all_reduce_by_gather(tensor, group)
-    else:  # looked up now, not at import: whoever patches torch.distributed sees us
-        work = dist.all_reduce(tensor, op=dist.ReduceOp.SUM if op is None else op, group=group,
-                               async_op=True)
-    work = _after_launch(work, group, recorder, kind, nbytes, bucket, params, tensor.device)
+        with link_paused(group):  # its gathers are one transfer of nbytes, delayed once below
+            work = all_reduce_by_gather(tensor, group)
+        return _finish(_after_launch(work, group, recorder, kind, nbytes, bucket, params,
+                                     tensor.device, linked_here=True), async_op)
+    # looked up now, not at import: whoever patches torch.distributed sees us
+    work = dist.all_reduce(tensor, op=dist.ReduceOp.SUM if op is None else op, group=group,
+                           async_op=True)
+    return _finish(_after_launch(work, group, recorder, kind, nbytes, bucket, params,
+                                 tensor.device), async_op)
+
+
+def _finish(work, async_op):
+    """torch's convention: the work with ``async_op=True``, else wait and return None."""
     if async_op:
         return work
     work.wait()
@@ -282,11 +243,8 @@ def broadcast(tensor: torch.Tensor, src: int, group=None, async_op: bool = False
     nbytes = tensor.numel() * tensor.element_size()
     _count(kind, nbytes, None)
     work = dist.broadcast(tensor, src=src, group=group, async_op=True)
-    work = _after_launch(work, group, recorder, kind, nbytes, None, (), tensor.device)
-    if async_op:
-        return work
-    work.wait()
-    return None
+    return _finish(_after_launch(work, group, recorder, kind, nbytes, None, (), tensor.device),
+                   async_op)
 
 
 def broadcast_coalesced(tensors, src: int, group=None, *, kind: str = "buffers", recorder=None):

@@ -53,7 +53,7 @@ class Built:
 
     model: Any  # forward and the optimizer use this
     after_backward: Callable | None = None  # called after loss.backward(), if any
-    tracer: Any = None  # torch DDP traced: a ddplab.sync.ddp_trace.DDPTracer
+    tracer: Any = None  # torch DDP: a ddplab.sync.ddp_trace.DDPTracer watching its process group
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,7 +62,7 @@ class Strategy:
     build: Callable
     description: str = ""
     shape: str = "after_backward"
-    # torch DDP: recording it changes its speed (a Python hook per bucket), so
+    # torch DDP: recording it changes its speed (a Python hook per parameter), so
     # compare times a copy built without a recorder and draws a recorded one.
     time_unrecorded: bool = False
 
@@ -281,34 +281,3 @@ def _core_bucketed(module, bucket_cap_mb=None, process_group=None):
     from ddplab.sync import core
 
     return core.BucketedDDP(module, bucket_cap_mb=bucket_cap_mb, process_group=process_group)
-
-
-_YOURS: set = set()  # names registered by as_strategy: running its cell again replaces them
-
-
-def as_strategy(name: str, code, *args, shape: str = "after_backward",
-                description: str = "") -> Strategy:
-    """Your own code as a strategy ``compare`` can run, registered as ``name``.
-
-    ``code``: a function called after ``loss.backward()`` as ``code(model)``, or a
-    wrapper class built as ``code(model, *args)``; its ``finish_gradient_synchronization()``,
-    if it has one, is called after ``loss.backward()``. It takes no recorder: compare
-    draws it from the observing process group, as it draws torch DDP. Calling it again
-    with the same name replaces it; a built-in name is refused.
-    """
-    if name in _REGISTRY and name not in _YOURS:
-        raise ValueError(f"{name!r} is already a strategy; give your code another name")
-    if isinstance(code, type):
-        def build(module):
-            wrapped = code(module, *args)
-            return wrapped, getattr(wrapped, "finish_gradient_synchronization", None)
-    elif callable(code):
-        def build(module):
-            return module, lambda: code(module)
-    else:
-        raise TypeError(f"as_strategy({name!r}, ...): give a function of the model or a wrapper "
-                        f"class, not {type(code).__name__}")
-    text = description or (inspect.getdoc(code) or "").split("\n")[0] or "your code"
-    _REGISTRY[name] = entry = Strategy(name, build, text, shape)
-    _YOURS.add(name)
-    return entry

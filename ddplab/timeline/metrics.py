@@ -16,9 +16,10 @@ Teaches the definitions, because the words are used loosely elsewhere:
   the OTHER ranks.
 - ``saved_ms`` = manual's step time minus this strategy's.
 - ``comm_bytes_per_step`` = gradient payload bytes handed to all-reduces in
-  one step, as counted where they were seen (``ddplab.sync.comm`` or the
-  observing process group; ``meta["comm_bytes_per_step"]``, written by the
-  run); from the bucket records when a timeline lacks it.
+  one step, as counted where they were seen (``meta["comm_bytes_per_step"]``,
+  written by the run): at ``ddplab.sync.comm``, by kind, for ddplab's own
+  strategies; at the observing process group, every all-reduce, for rows
+  drawn from it. From the bucket records when a timeline lacks it.
 
 Flagged iterations (warm-up, torch DDP's one-bucket first iteration and
 rebuild) are excluded from every average. Medians, not means: a laptop's

@@ -16,6 +16,8 @@ order they were launched:
   before the reducer's own hooks (``params=`` at construction, before the
   reducer is built; torch DDP's hooks run after any of these), so the
   gradient whose hook launched a bucket has been stamped when it launches.
+  Only the first launch after a stamp gets it: buckets launched together
+  (held for an earlier one) are drawn ready at their launch (``derived``).
 
 It also counts the bytes and calls of each iteration: a strategy that does
 not count its own traffic gets ``comm_bytes_per_step`` from here.
@@ -86,6 +88,7 @@ class GroupRecorder(Observing):
     def begin_iteration(self) -> None:
         self.sizes: list[int] = []  # this iteration's all-reduces, in launch order
         self.nbytes = 0
+        self.on_cpu = False  # did an all-reduce carry a CPU tensor (on a GPU rank: a mistake)
         self.last_ready = None  # the newest gradient-ready stamp not yet given to a launch
         self.backward_end = None  # the newest gradient-ready stamp of the iteration
         self.backward_end_event = None
@@ -110,6 +113,7 @@ class GroupRecorder(Observing):
         self.sizes.append(sum(t.numel() for t in tensors))
         nbytes = sum(payload_bytes(t) for t in tensors)
         self.nbytes += nbytes
+        self.on_cpu = self.on_cpu or any(t.device.type == "cpu" for t in tensors)
         if self.recorder is None:
             return None
         if self.last_ready is not None:  # the gradient whose hook launched this bucket
@@ -129,7 +133,8 @@ class GroupRecorder(Observing):
         stamp, and its device event) and how many all-reduces it launched."""
         self.launches.append(self.sizes)
         out = {"backward_compute_end": self.backward_end, "n_buckets": len(self.sizes),
-               "backward_compute_end_event": self.backward_end_event, "nbytes": self.nbytes}
+               "backward_compute_end_event": self.backward_end_event, "nbytes": self.nbytes,
+               "on_cpu": self.on_cpu}
         self.begin_iteration()
         return out
 
