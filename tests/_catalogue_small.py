@@ -301,6 +301,16 @@ def hook_ok_group_from_state(state, bucket):
     return work.get_future().then(lambda f: buf.copy_(f.value()[0]))
 
 
+_bound_all_reduce = dist.all_reduce  # bound when the solution was written, before any grader ran
+
+
+def hook_ok_imported_name(state, bucket):  # a patched dist.all_reduce would never see this call
+    buf = bucket.buffer()
+    small = buf.to(torch.float16).div_(dist.get_world_size())
+    return _bound_all_reduce(small, async_op=True).get_future().then(
+        lambda f: buf.copy_(f.value()[0]))
+
+
 def _done(value):
     fut = torch.futures.Future()
     fut.set_result(value)
@@ -363,7 +373,8 @@ def hook_broadcast(state, bucket):
 
 COMM_HOOK = {
     "check": lambda cluster, fn: CC.check_comm_hook(cluster, fn), "world": 2,
-    "correct": [hook_ok_half_then_new_tensor, hook_ok_bf16_in_place, hook_ok_group_from_state],
+    "correct": [hook_ok_half_then_new_tensor, hook_ok_bf16_in_place, hook_ok_group_from_state,
+                hook_ok_imported_name],
     "wrong": [(hook_blocking_in_done_future, CC.NOT_ASYNC), (hook_waits_inside, CC.NOT_ASYNC),
               (hook_divides_by_world_minus_one, None), (hook_max, None), (hook_half_the_bucket, None),
               (hook_value_one_short, CC.WRONG_SHAPE), (hook_int8, None), (hook_no_all_reduce, CC.NOT_REDUCED),

@@ -10,8 +10,9 @@ backwards (torch's one-bucket first iteration, then its rebuilt buckets) and che
   Work's future holds: torch's reducer fails on that with an internal assert).
   A float16 value is accepted: torch's reducer casts it into the float32
   gradients itself (measured on torch 2.13);
-- WHAT it sent: the bytes handed to ``torch.distributed.all_reduce`` while
-  the hook ran, against the float32 bucket (``compress=True`` asks for at most
+- WHAT it sent: the bytes the rank's observing process group was handed in
+  all-reduces while the hook ran (however the hook spells the call: nothing
+  is patched), against the float32 bucket (``compress=True`` asks for at most
   half);
 - the VALUES: the gradients against the exact float64 mean over ranks (no
   division, divided twice, nothing synchronized, a reduced 16-bit copy that
@@ -25,11 +26,14 @@ the ranks.
   (then wrapped in a finished Future) is named.
 
 Leaves out: stateful hooks (PowerSGD), hooks that use ``GradBucket.set_buffer``,
-a ``future.wait()`` inside the hook (not seen), and timing.
+a ``future.wait()`` inside the hook (a future's wait does not reach the group),
+and timing.
 """
 from __future__ import annotations
 
 from ddplab.cluster.errors import RankError
+from ddplab.cluster.observed import Observing
+from ddplab.cluster.wrapped import payload_bytes
 from ddplab.checks import graders
 from ddplab.checks.mistakes import NOT_IMPLEMENTED, RAISED, CheckFailed
 
@@ -80,19 +84,7 @@ def _on_rank(hook, bucket_cap_mb):
 
     rank, world = dist.get_rank(), dist.get_world_size()
     seen = {"buckets": 0, "bucket_bytes": 0, "sent_bytes": 0, "mistake": None, "detail": ""}
-    real_all_reduce = dist.all_reduce
-
-    in_hook = []
-
-    def counting_all_reduce(tensor, *args, **kwargs):
-        seen["sent_bytes"] += tensor.numel() * tensor.element_size()
-        async_op = kwargs.get("async_op", args[2] if len(args) > 2 else False)
-        work = real_all_reduce(tensor, *args, **kwargs)
-        if not async_op:
-            seen.setdefault("not_async", "a blocking dist.all_reduce (no async_op=True) ran inside the hook.")
-            return work
-        return _NotedWork(work, lambda: in_hook and seen.setdefault(
-            "not_async", "work.wait() was called inside the hook, before it returned."))
+    from ddplab.cluster.observed import observing
 
     def flag(mistake, detail):
         if seen["mistake"] is None:
@@ -102,13 +94,8 @@ def _on_rank(hook, bucket_cap_mb):
         buffer = bucket.buffer()
         seen["buckets"] += 1
         seen["bucket_bytes"] += buffer.numel() * buffer.element_size()
-        dist.all_reduce = counting_all_reduce  # looked up by the learner at call time
-        in_hook.append(True)
-        try:
+        with observing(_InHook(seen)):  # what the group is handed while the hook runs
             fut = hook(state, bucket)
-        finally:
-            dist.all_reduce = real_all_reduce
-            in_hook.clear()
         if not isinstance(fut, torch._C.Future):
             flag(NOT_A_FUTURE, f"bucket {bucket.index()}: the hook returned {type(fut).__name__}.")
             done = torch.futures.Future()
@@ -150,18 +137,35 @@ def _on_rank(hook, bucket_cap_mb):
     return seen
 
 
-class _NotedWork:
-    """The learner's Work: a ``wait()`` is noted (inside the hook it defeats the overlap)."""
+class _InHook(Observing):
+    """Installed on the rank's process group while the hook runs: the bytes of its
+    all-reduces, and a wait for one of them before the hook returned (no overlap then)."""
 
-    def __init__(self, work, on_wait):
-        self._work, self._on_wait = work, on_wait
+    def __init__(self, seen):
+        self.seen = seen
 
-    def wait(self, *args, **kwargs):
-        self._on_wait()
-        return self._work.wait(*args, **kwargs)
+    def launched(self, op, tensors, group, peer):
+        if op != "all_reduce":
+            return None
+        self.seen["sent_bytes"] += sum(payload_bytes(t) for t in tensors)
+        return op
 
-    def __getattr__(self, name):
-        return getattr(self._work, name)
+    def waiting(self, token):
+        if token is not None:
+            self.seen.setdefault("not_async", _how_it_waited())
+
+
+def _how_it_waited() -> str:
+    """A blocking ``dist.all_reduce`` waits inside torch.distributed; ``work.wait()`` in the
+    learner's code: the first frame outside ddplab's group says which."""
+    import sys
+
+    frame = sys._getframe(2)
+    while frame is not None and "ddplab" in frame.f_code.co_filename.replace("\\", "/").split("/"):
+        frame = frame.f_back
+    if frame is not None and "torch/distributed" in frame.f_code.co_filename.replace("\\", "/"):
+        return "a blocking dist.all_reduce (no async_op=True) ran inside the hook."
+    return "work.wait() was called inside the hook, before it returned."
 
 
 def diagnose(per_rank, compress: bool) -> dict:
