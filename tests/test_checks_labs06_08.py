@@ -294,11 +294,32 @@ def test_pipeline_recv_without_send_is_a_hang(cluster):
 
 
 # -- the experiments behind the labs --------------------------------------------------------
-def test_p2p_counting_restores_torch_distributed():
+def _counted_without_patching():
+    import torch
+    from torch.distributed import irecv, isend  # bound before the block: nothing to patch
+
     before = (dist.send, dist.recv, dist.isend, dist.irecv)
+    peer = 1 - dist.get_rank()
     with P.p2p_counting() as counted:
-        assert dist.send is not before[0]
-    assert (dist.send, dist.recv, dist.isend, dist.irecv) == before and counted.sent == 0
+        same = (dist.send, dist.recv, dist.isend, dist.irecv) == before
+        works = [isend(torch.ones(4), peer), irecv(torch.empty(4), peer)]
+        in_flight = counted.unwaited
+        for w in works:
+            w.wait()
+        ops = [dist.P2POp(dist.isend, torch.ones(4), peer),
+               dist.P2POp(dist.irecv, torch.empty(4), peer)]
+        for w in dist.batch_isend_irecv(ops):
+            w.wait()
+    return same, in_flight, counted.as_dict()
+
+
+def test_p2p_counting_sees_imported_names_and_batched_ops_with_nothing_patched(cluster):
+    # Before: p2p_counting replaced dist.send/recv/isend/irecv, so names bound earlier and
+    # batch_isend_irecv went uncounted. Now the observing process group counts every op.
+    for same, in_flight, c in cluster.run(_counted_without_patching):
+        assert same and in_flight == 2
+        assert c["sends"] == c["recvs"] == 2 and c["sent"] == c["received"] == 32, c
+        assert c["unwaited"] == 0
 
 
 def test_crossover_from_two_points_and_refuses_flat_traffic():

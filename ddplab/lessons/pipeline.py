@@ -37,6 +37,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ddplab.cluster.observed import Observing
 from ddplab.sync import comm
 
 D_IN, HIDDEN, D_OUT = 64, 256, 10
@@ -80,116 +81,115 @@ class P2PCounter:
                 "messages": list(self.messages), "unwaited": self.unwaited}
 
 
-class _CountedWork:
-    """An isend/irecv's Work that tells its counter when it was waited for."""
-
-    def __init__(self, work, counter):
-        self._work, self._counter, self._waited = work, counter, False
-        counter.unwaited += 1
-
-    def wait(self, *args, **kwargs):
-        out = self._work.wait(*args, **kwargs)
-        if not self._waited:
-            self._waited = True
-            self._counter.unwaited -= 1
-        return out
-
-    def __getattr__(self, name):
-        return getattr(self._work, name)
-
-
 @contextlib.contextmanager
 def p2p_counting(recv_timeout_s: float | None = None, tag: str | None = None):
-    """Within the block, ``dist.send/recv/isend/irecv`` are counted on this rank.
+    """Within the block, every send and recv on this rank's process group is counted.
 
-    ``recv_timeout_s``: a ``recv`` that waits longer raises ``TimeoutError`` naming its
-    source (instead of waiting out the whole group's timeout). The functions are
-    looked up at call time (``dist.send(...)``), so code written against
-    ``torch.distributed`` is counted without a change.
+    Counted at the observing process group (``ddplab.cluster.observed``), so
+    ``dist.send``, an ``isend`` imported before the block and ``batch_isend_irecv``
+    are all seen, with nothing patched; a work still unwaited at the end is counted
+    in ``unwaited``.
+
+    ``recv_timeout_s``: a wait longer than this raises ``TimeoutError`` naming the
+    peer (instead of waiting out the whole group's timeout).
 
     ``tag`` (the same on both ranks, new for every call): each send first notes
     its shape and dtype in the store, and a blocking ``recv`` compares its buffer
-    with them before posting, raising ``ValueError`` on a difference. gloo copies
-    bytes: a smaller buffer aborts the receiving process, another dtype or shape
-    of the same size fills it with garbage.
+    with them before it is posted, raising ``ValueError`` on a difference. gloo
+    copies bytes: a smaller buffer aborts the receiving process, another dtype or
+    shape of the same size fills it with garbage.
     """
     import torch.distributed as dist
 
-    counter = P2PCounter()
-    real = {name: getattr(dist, name) for name in ("send", "recv", "isend", "irecv")}
+    from ddplab.cluster.observed import observing
+
     store = dist.distributed_c10d._get_default_store() if tag else None
-    seq: dict = {}
+    with observing(_P2PWatch(P2PCounter(), recv_timeout_s, tag, store)) as watch:
+        yield watch.counter
 
-    def key(src, dst):
-        n = seq[(src, dst)] = seq.get((src, dst), -1) + 1
-        return f"ddplab-pipe/{tag}/{src}->{dst}/{n}"
 
-    def announce(tensor, dst):
-        if store is not None and dst is not None:
-            store.set(key(dist.get_rank(), int(dst)), f"{tuple(tensor.shape)} {tensor.dtype}")
+class _P2PWatch(Observing):
+    """The observer behind ``p2p_counting``: counts, notes and checks sends and recvs."""
 
-    def compare(tensor, src):
-        if store is None or src is None:
-            return
-        k = key(int(src), dist.get_rank())
+    def __init__(self, counter, recv_timeout_s, tag, store):
+        self.counter, self.timeout, self.tag, self.store = counter, recv_timeout_s, tag, store
+        self.seq: dict = {}
+
+    def _key(self, src, dst):
+        n = self.seq[(src, dst)] = self.seq.get((src, dst), -1) + 1
+        return f"ddplab-pipe/{self.tag}/{src}->{dst}/{n}"
+
+    def launched(self, op, tensors, group, peer):
+        if op not in ("send", "recv") or not tensors:
+            return None
+        tensor, counter = tensors[0], self.counter
+        counter.note(op, tensor, peer)
+        nbytes = tensor.numel() * tensor.element_size()
+        if op == "send":
+            if self.store is not None and peer is not None:
+                self.store.set(self._key(group.rank(), int(peer)), _described(tensor))
+            counter.sent, counter.sends = counter.sent + nbytes, counter.sends + 1
+        else:
+            if self.store is not None and peer is not None and _blocking_recv():
+                self._compare(tensor, int(peer), group)
+            counter.received, counter.recvs = counter.received + nbytes, counter.recvs + 1
+        counter.unwaited += 1
+        return {"op": op, "peer": peer, "what": _described(tensor), "waited": False}
+
+    def _compare(self, tensor, src, group):
+        key = self._key(src, group.rank())
         try:
-            store.wait([k], datetime.timedelta(seconds=recv_timeout_s or 30))
+            self.store.wait([key], datetime.timedelta(seconds=self.timeout or 30))
         except Exception:  # the store's timeout error type differs between torch versions
-            return  # nothing announced: the timed recv below reports the hang
-        sent, mine = store.get(k).decode(), f"{tuple(tensor.shape)} {tensor.dtype}"
-        if sent != mine:
-            # take the message off the wire first: its sender may be blocked until it is received
+            return  # nothing announced: the timed wait reports the hang
+        sent = self.store.get(key).decode()
+        if sent != _described(tensor):
+            # take the message off the wire first (its sender may be blocked until it is
+            # received), straight from the group's own gloo member: no observer sees it
             shape, dtype = sent.rsplit(" ", 1)
-            real["recv"](torch.empty(ast.literal_eval(shape), dtype=getattr(torch, dtype[6:])), src)
-            raise ValueError(f"rank {dist.get_rank()} posted a recv into {mine} from rank {src}, "
-                             f"which sent {sent}")
+            drain = torch.empty(ast.literal_eval(shape), dtype=getattr(torch, dtype[6:]))
+            group.cpu.recv([drain], src, 0).wait()
+            raise ValueError(f"rank {group.rank()} posted a recv into {_described(tensor)} from "
+                             f"rank {src}, which sent {sent}")
 
-    def nbytes(t):
-        return t.numel() * t.element_size()
+    def waiting(self, token):
+        if token is not None and not token["waited"]:
+            token["waited"] = True
+            self.counter.unwaited -= 1
 
-    def send(tensor, dst=None, *args, **kwargs):
-        counter.note("send", tensor, dst)
-        announce(tensor, dst)
-        counter.sent += nbytes(tensor)
-        counter.sends += 1
-        return real["send"](tensor, dst, *args, **kwargs)
+    def failed(self, token, exc):
+        if token is not None and self.timeout is not None:
+            where, never = (("recv(src", "never sent it") if token["op"] == "recv"
+                            else ("send(dst", "never received it"))
+            raise TimeoutError(f"rank {self.rank()} waited {self.timeout:g} s in {where}="
+                               f"{token['peer']}) for {token['what']} and nothing came: rank "
+                               f"{token['peer']} {never} ({str(exc).splitlines()[0][:120]})") from None
 
-    def isend(tensor, dst=None, *args, **kwargs):
-        counter.note("send", tensor, dst)
-        announce(tensor, dst)
-        counter.sent += nbytes(tensor)
-        counter.sends += 1
-        return _CountedWork(real["isend"](tensor, dst, *args, **kwargs), counter)
+    @staticmethod
+    def rank() -> int:
+        import torch.distributed as dist
 
-    def recv(tensor, src=None, *args, **kwargs):
-        counter.note("recv", tensor, src)
-        compare(tensor, src)
-        counter.received += nbytes(tensor)
-        counter.recvs += 1
-        if recv_timeout_s is None or src is None:
-            return real["recv"](tensor, src, *args, **kwargs)
-        work = real["irecv"](tensor, src, *args, **kwargs)
-        try:
-            work.wait(datetime.timedelta(seconds=recv_timeout_s))
-        except RuntimeError as err:
-            raise TimeoutError(f"rank {dist.get_rank()} waited {recv_timeout_s:g} s in recv(src={src}) "
-                               f"for {tuple(tensor.shape)} and nothing came: rank {src} never sent it "
-                               f"({str(err).splitlines()[0][:120]})") from None
-        return src
+        return dist.get_rank()
 
-    def irecv(tensor, src=None, *args, **kwargs):
-        counter.note("recv", tensor, src)
-        counter.received += nbytes(tensor)
-        counter.recvs += 1
-        return _CountedWork(real["irecv"](tensor, src, *args, **kwargs), counter)
 
-    for name, fn in (("send", send), ("recv", recv), ("isend", isend), ("irecv", irecv)):
-        setattr(dist, name, fn)
-    try:
-        yield counter
-    finally:
-        for name, fn in real.items():
-            setattr(dist, name, fn)
+def _described(tensor) -> str:
+    return f"{tuple(tensor.shape)} {tensor.dtype}"
+
+
+def _blocking_recv() -> bool:
+    """Is this recv a blocking ``dist.recv``? It reaches the group as an ``irecv`` does (torch
+    2.13's ``recv`` calls ``irecv`` and waits); the frames outside ddplab tell them apart."""
+    import sys
+
+    def torch_frame(frame, names):
+        return (frame is not None and frame.f_code.co_name in names
+                and "torch/distributed" in frame.f_code.co_filename.replace("\\", "/"))
+
+    frame = sys._getframe(2)
+    while frame is not None and "ddplab" in frame.f_code.co_filename.replace("\\", "/").split("/"):
+        frame = frame.f_back
+    return torch_frame(frame, ("recv",)) or (torch_frame(frame, ("irecv",))
+                                            and torch_frame(frame.f_back, ("recv",)))
 
 
 def pipeline_step(stage, x, y, act_shape):
