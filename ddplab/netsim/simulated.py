@@ -40,6 +40,7 @@ import threading
 
 import torch
 
+from ddplab.cluster.observed import Observing
 from ddplab.cluster.wrapped import payload_bytes
 from ddplab.contracts.clock import now
 from ddplab.netsim.link import LinkModel, LinkQueue
@@ -194,11 +195,9 @@ class SimulatedLink:
 LINKED_OPS = ("all_reduce", "broadcast", "all_gather", "all_gather_into_tensor")
 
 
-class OnGroup:
+class OnGroup(Observing):
     """An observer (``ddplab.contracts.protocols.Observer``) that sends the group's
     collectives over ``link``: each returned work completes no earlier than the model says."""
-
-    timeout = None
 
     def __init__(self, link):
         self.link = link
@@ -224,12 +223,3 @@ class OnGroup:
             return None
         nbytes, device = token
         return self.link.wrap(work, nbytes, None, device=device)
-
-    def waiting(self, token):
-        pass
-
-    def future_taken(self, token):
-        pass
-
-    def failed(self, token, exc):
-        pass

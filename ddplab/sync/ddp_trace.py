@@ -53,11 +53,6 @@ class DDPTracer(GroupRecorder):
     def watching(self, group=None):
         return super().watching(group if group is not None else self.group)
 
-    @property
-    def buckets_seen(self) -> list[list[int]]:
-        """Per finished iteration: the elements of each bucket all-reduced, in launch order."""
-        return self.launches
-
     def iteration_flags(self) -> dict:
         """Iteration -> flags for the early iterations whose layout differs from the last."""
         flags: dict[int, set] = {}
