@@ -19,7 +19,7 @@ PACKAGE = ROOT / "ddplab"
 MODULES = {
     0: {"ddplab.contracts": ["", "clock", "protocols"],
         "ddplab.cluster": ["", "answers", "backend", "cluster", "diagnosis", "errors", "generations",
-                           "gpu_facts", "gpu_locks", "gpus", "lifecycle", "observed", "output",
+                           "gpu_facts", "gpu_locks", "gpus", "launchers", "lifecycle", "observed", "output",
                            "process", "progress", "rendezvous", "resources", "results", "status",
                            "subset", "torchrun", "worker", "wrapped"]},
     1: {"ddplab.netsim": ["", "costmodel", "link", "simulated"]},
@@ -39,7 +39,7 @@ MODULES = {
     7: {"ddplab.checks": ["", "compression", "data", "firstgroup", "graders", "hangs", "mistakes", "on_rank",
                           "pipeline", "reducer_map", "ring", "watch", "workload", "yourmodel"]},
     # the front doors: they may use everything below
-    8: {"ddplab.notebook": ["", "completion", "ddpcell", "export", "magics", "rankview"],
+    8: {"ddplab.notebook": ["", "completion", "ddpcell", "export", "magics", "rankview", "sbatch"],
         "ddplab.course": ["", "classroom", "classroom_readme", "exercises", "handouts", "hubconfig",
                           "proxy_guard",
                           "labsetup", "seats"],

@@ -39,10 +39,12 @@ reads everyone's, and all take the same decision (``agree``): under
 or different explicit backends on different nodes, are refused in words on
 every rank.
 
+Under Slurm (``srun python train.py``) or Open MPI (``mpirun``) there are no
+torchrun variables: ``launchers.adopt`` writes them from SLURM_PROCID or
+OMPI_COMM_WORLD_RANK and the rest first (torchrun's, when set, win).
+
 Leaves out, compared with torchrun and torch.distributed: elastic membership
-and restarts (``--max-restarts``), torchrun's error files, and other
-launchers' variables (SLURM_PROCID, OMPI_COMM_WORLD_RANK): set RANK etc.
-from them yourself. ``finish()`` is not in torch: it is how a rank leaves
+and restarts (``--max-restarts``) and torchrun's error files. ``finish()`` is not in torch: it is how a rank leaves
 without gloo's teardown abort (see worker.py).
 
 References: https://docs.pytorch.org/docs/stable/elastic/run.html
@@ -57,13 +59,10 @@ import sys
 from typing import NamedTuple
 
 from ddplab.cluster import backend as rank_backend
-from ddplab.cluster import resources
+from ddplab.cluster import launchers, resources
+from ddplab.cluster.launchers import TorchrunEnvError
 
 REQUIRED = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
-
-
-class TorchrunEnvError(RuntimeError):
-    """init_from_env() was called outside torchrun, or with malformed variables."""
 
 
 class DistEnv(NamedTuple):
@@ -84,6 +83,7 @@ def _launch_hint() -> str:
         "or, on each of 2 machines (4 GPUs each):\n"
         "    torchrun --nnodes=2 --nproc-per-node=4 --rdzv-backend=c10d "
         f"--rdzv-endpoint=HOST:PORT --rdzv-id=JOB {script}\n"
+        "Under Slurm, start one task per GPU: srun python train.py (docs/hpc.md).\n"
         "In a notebook, start ranks with %ddp_start 2 (or ddplab.Cluster(2)) instead."
     )
 
@@ -115,7 +115,7 @@ def read_env(environ=None) -> dict:
 
 def init_from_env(backend: str = "auto", timeout: float | None = None,
                   threads: int | None = None) -> DistEnv:
-    """Join the group torchrun started; return this rank's ``DistEnv``.
+    """Join the group torchrun (or srun, or mpirun) started; return this rank's ``DistEnv``.
 
     ``backend="auto"`` is nccl when every rank, on every node, can have its own
     GPU, else gloo (each node counts with ``resources.choose_backend``, as the
@@ -128,6 +128,7 @@ def init_from_env(backend: str = "auto", timeout: float | None = None,
     import torch
     import torch.distributed as dist
 
+    launchers.adopt()  # Slurm's or Open MPI's variables, as torchrun's (when RANK is not set)
     env = read_env()
     if dist.is_initialized():
         return current_env()
