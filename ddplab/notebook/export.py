@@ -1,4 +1,4 @@
-"""%ddp_export: the notebook's %%ddp cells, in order, as a script for torchrun.
+"""%ddp_export: the notebook's %%ddp cells, in order, as a script for torchrun (or srun).
 
 Teaches: a %%ddp cell already is data-parallel code in the torchrun sense:
 every rank runs the same source and finds ``rank``, ``local_rank``,
@@ -20,6 +20,8 @@ the script by a ``raise`` that says what to write there.
 A cell's last expression, which the notebook showed for each rank, is
 printed by the script (unless ``;`` ended it, or it is None), and a cell run
 with ``--on 0`` becomes ``if rank in (0,):``.
+
+``--sbatch`` adds a Slurm batch file that runs the script (notebook/sbatch.py).
 
 Leaves out: kernel-side cells (only what ran on the ranks is exported), rich
 display (the script prints the plain-text form), and ``__name__``, which is
@@ -156,6 +158,8 @@ def _header(name: str, rec: Recording, side: str | None) -> str:
         "torchrun gives local rank i GPU i whoever holds it: on a shared server name free",
         f"GPUs first, e.g. CUDA_VISIBLE_DEVICES=2,3 torchrun --nproc-per-node={n} {name}",
         "(python -m ddplab doctor lists who uses which GPU).",
+        f"Under Slurm, one task per rank: srun python {name} (init_from_env reads Slurm's",
+        "variables); %ddp_export FILE.py --sbatch writes a batch file for it.",
     ]
     if side:
         lines += [f"Pushed values are in {side} beside this file: copy it along."]

@@ -22,7 +22,7 @@ is asked).
     %ddp_pull NAME                         every rank -> kernel: a list by rank
     %ddp_status                            pids, devices, memory, jobs
     %ddp_stop
-    %ddp_export FILE.py
+    %ddp_export FILE.py [--sbatch --nodes N --gpus-per-node G --time T --partition P]
 
 How a cell runs: the kernel compiles it (a syntax error never reaches the
 ranks) under a file name like ``<ddp-cell-7>`` that it also puts in its own
@@ -50,8 +50,8 @@ from IPython.core.error import UsageError
 from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 
-from ddplab.notebook import completion, ddpcell, export, rankview
 from ddplab.cluster import Cluster, RankError
+from ddplab.notebook import completion, ddpcell, export, rankview, sbatch
 
 
 class _RankNamespace:
@@ -275,16 +275,24 @@ class DDPMagics(Magics):
             raise UsageError(f"%ddp_pull {expr}: {exc.msg}") from None
         return self._run(eval, (code, RANK_NAMESPACE))
 
+    @magic_arguments()
+    @argument("file", nargs="?", default="", help="the script to write, e.g. train.py")
+    @sbatch.magic_options
     @line_magic
     def ddp_export(self, line):
-        """Write this session's %%ddp cells as a torchrun script: ``%ddp_export train.py``."""
-        path = os.path.expanduser(line.strip())
+        """Write this session's %%ddp cells as a torchrun script: ``%ddp_export train.py``;
+        ``--sbatch --nodes 2 --gpus-per-node 4`` adds train.sbatch for Slurm (docs/hpc.md)."""
+        args = parse_argstring(self.ddp_export, line)
+        path = os.path.expanduser(args.file)
         if not path.endswith(".py"):
-            raise UsageError("usage: %ddp_export FILE.py")
+            raise UsageError("usage: %ddp_export FILE.py [--sbatch --nodes N --gpus-per-node G ...]")
         if self.recording is None or not self.recording.entries:
             raise UsageError("nothing to export: no %%ddp cell has run since the ranks started")
+        opts = sbatch.from_magic(args, self.recording.world_size)  # None without --sbatch
         export.write_script(path, self.recording)
         print(export.export_hint(path, self.recording))
+        if opts is not None:
+            print(sbatch.hint(sbatch.write_batch(path, opts), opts))
 
 
 def load_ipython_extension(ipython) -> None:

@@ -1,0 +1,169 @@
+"""%ddp_export FILE.py --sbatch: a Slurm batch file beside the exported script.
+
+Teaches: on an HPC cluster the ranks are Slurm tasks. The batch file asks
+for the nodes, GPUs and time (``#SBATCH`` lines), and starts the ranks in one
+of two ways:
+
+- ``srun`` (the default): one task per GPU, so ``--ntasks-per-node`` equals
+  ``--gpus-per-node``. Slurm starts every rank itself and each one reads its
+  place from Slurm's variables (``ddplab.init_from_env``, cluster/launchers.py).
+  No other program sits between Slurm and the ranks: Slurm's accounting,
+  signals, time limit and ``scancel`` reach each rank, and ``srun --label``
+  prefixes each output line with its rank.
+- ``torchrun``: one task per node, each a ``torchrun`` that starts that node's
+  ranks and meets the other nodes' torchruns at a c10d rendezvous on the first
+  node (its NodeAddr, a port from the job id). For scripts that need
+  torchrun's own features (``--max-restarts``, its error files), or sites
+  whose ``srun`` cannot start several tasks per node.
+
+Leaves out: ``--cpus-per-task`` and ``--mem`` (the site's defaults; the
+threads per rank follow the CPUs the task may use), accounts and QOS,
+containers (``srun --container-image``), job arrays, and module loads: add
+them to the batch file by hand where your site asks for them.
+
+References: Slurm's sbatch(1) and srun(1) manual pages (``--gpus-per-node``,
+``--ntasks-per-node``, ``--label``, ``%x``/``%j`` in ``--output``);
+torch's elastic/run.html (``--rdzv-backend=c10d``).
+"""
+from __future__ import annotations
+
+import re
+import shlex
+import sys
+from pathlib import Path
+from typing import NamedTuple
+
+LAUNCHERS = ("srun", "torchrun")
+
+
+class BatchOptions(NamedTuple):
+    nodes: int = 1
+    gpus_per_node: int = 1  # 0: a CPU job (gloo)
+    ntasks_per_node: int | None = None  # ranks per node; with GPUs it must equal gpus_per_node
+    time: str = "00:30:00"
+    partition: str | None = None
+    launcher: str = "srun"
+    python: str = sys.executable  # the notebook's kernel's Python, which has torch and ddplab
+
+
+def check(opts: BatchOptions) -> BatchOptions:
+    """``opts`` with ranks per node filled in; ValueError in words for what Slurm would refuse
+    or what would leave GPUs idle."""
+    if opts.launcher not in LAUNCHERS:
+        raise ValueError(f"--launcher takes srun or torchrun, not {opts.launcher!r}")
+    if opts.nodes < 1 or opts.gpus_per_node < 0:
+        raise ValueError("--nodes takes 1 or more, --gpus-per-node 0 (a CPU job) or more")
+    if not re.fullmatch(r"(\d+-)?\d+(:\d+){0,2}", opts.time):
+        raise ValueError(f"--time {opts.time!r}: Slurm takes MINUTES, HH:MM:SS or D-HH:MM:SS")
+    per_node = opts.ntasks_per_node or opts.gpus_per_node or 1
+    if opts.gpus_per_node and per_node != opts.gpus_per_node:
+        raise ValueError(f"--ntasks-per-node {per_node} with --gpus-per-node {opts.gpus_per_node}: "
+                         "each rank takes one GPU, so give as many ranks as GPUs per node")
+    if per_node < 1:
+        raise ValueError("--ntasks-per-node takes 1 or more")
+    return opts._replace(ntasks_per_node=per_node)
+
+
+MAGIC_OPTIONS = [  # %ddp_export's options for the batch file
+    ("--sbatch", {"action": "store_true", "help": "also write FILE's .sbatch batch file for Slurm"}),
+    ("--nodes", {"type": int, "default": 1}),
+    ("--gpus-per-node", {"type": int, "default": None, "help": "default: the notebook's ranks; 0: CPU"}),
+    ("--ntasks-per-node", {"type": int, "default": None, "help": "ranks per node of a CPU job"}),
+    ("--time", {"default": "00:30:00"}),
+    ("--partition", {"default": None}),
+    ("--launcher", {"default": "srun", "choices": LAUNCHERS, "help": "one task per rank, or per node"}),
+]
+
+
+def magic_options(fn):
+    """Add MAGIC_OPTIONS to a magic's ``magic_arguments``."""
+    from IPython.core.magic_arguments import argument
+
+    for name, kwargs in reversed(MAGIC_OPTIONS):
+        fn = argument(name, **kwargs)(fn)
+    return fn
+
+
+def from_magic(args, world_size: int) -> BatchOptions | None:
+    """The options of ``%ddp_export --sbatch`` (None without --sbatch): by default one node with
+    the notebook's ranks, one GPU each; ``--gpus-per-node 0`` makes a CPU job
+    (``--ntasks-per-node`` ranks per node). A UsageError says what Slurm would refuse."""
+    from IPython.core.error import UsageError
+
+    if not args.sbatch:
+        return None
+    gpus = world_size if args.gpus_per_node is None else args.gpus_per_node
+    per_node = args.ntasks_per_node or (None if gpus else world_size)
+    try:
+        return check(BatchOptions(args.nodes, gpus, per_node, args.time, args.partition, args.launcher))
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+
+
+def hint(batch: Path, opts: BatchOptions) -> str:
+    """One line for the learner: what the batch file runs and how to submit it."""
+    return (f"Wrote {batch}: {opts.nodes} node(s) x {opts.ntasks_per_node} rank(s), started by "
+            f"{opts.launcher}. Submit it from {batch.resolve().parent}: sbatch {batch.name}")
+
+
+def batch_text(script: str, opts: BatchOptions) -> str:
+    """The batch file that runs ``script`` (a file name in the submit folder) as ``opts`` say."""
+    opts = check(opts)
+    stem, n, per_node = Path(script).stem, opts.nodes, opts.ntasks_per_node
+    what = f"{opts.gpus_per_node} GPU(s)" if opts.gpus_per_node else f"{per_node} CPU rank(s)"
+    how = ("srun starts one task per rank; ddplab.init_from_env() reads its place from Slurm"
+           if opts.launcher == "srun" else
+           "srun starts one torchrun per node; each starts that node's ranks")
+    tasks = per_node if opts.launcher == "srun" else 1
+    lines = [
+        "#!/bin/bash",
+        f"# {stem}.sbatch: runs {script} (exported from a ddplab notebook) on {n} node(s) x {what},",
+        f"# {n * per_node} ranks in all; {how}.",
+        f"# Submit it from the folder that holds {script}:   sbatch {stem}.sbatch",
+        "# Every line is explained in ddplab's docs/hpc.md.",
+        f"#SBATCH --job-name={stem}",
+        f"#SBATCH --nodes={n}",
+        f"#SBATCH --ntasks-per-node={tasks}",
+    ]
+    if opts.gpus_per_node:
+        lines.append(f"#SBATCH --gpus-per-node={opts.gpus_per_node}")
+    lines.append(f"#SBATCH --time={opts.time}")
+    if opts.partition:
+        lines.append(f"#SBATCH --partition={opts.partition}")
+    lines += [
+        "#SBATCH --output=%x-%j.out",
+        "",
+        "set -euo pipefail",
+        "# The Python that has torch and ddplab (the notebook's kernel's); PYTHON=... sbatch overrides it.",
+        f"PYTHON=${{PYTHON:-{shlex.quote(opts.python)}}}",
+        f'SCRIPT="$SLURM_SUBMIT_DIR/{script}"',
+        "",
+    ]
+    if opts.launcher == "srun":
+        lines += [
+            "# One task per rank, Slurm's --label puts its rank in front of each line (\"0: ...\").",
+            'srun --label "$PYTHON" "$SCRIPT"',
+        ]
+    else:
+        lines += [
+            "# torchrun's rendezvous lives on the first node: the address Slurm reaches it by",
+            "# (NodeAddr), and a port from the job id, so two jobs on one node do not clash.",
+            'head_node=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | sed -n 1p)',
+            "head_addr=$(scontrol show node \"$head_node\" | sed -n 's/.*NodeAddr=\\([^ ]*\\).*/\\1/p')",
+            "port=$((20000 + SLURM_JOB_ID % 12000))",
+            "# One torchrun per node; each starts this node's ranks and labels their lines.",
+            "export TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE='[rank ${rank}] '",
+            'srun --ntasks-per-node=1 "$PYTHON" -m torch.distributed.run \\',
+            f'    --nnodes="$SLURM_JOB_NUM_NODES" --nproc-per-node={per_node} \\',
+            '    --rdzv-backend=c10d --rdzv-endpoint="$head_addr:$port" --rdzv-id="$SLURM_JOB_ID" \\',
+            '    --tee=3 "$SCRIPT"',
+        ]
+    return "\n".join(lines) + "\n"
+
+
+def write_batch(script_path, opts: BatchOptions) -> Path:
+    """Write ``<stem>.sbatch`` beside ``script_path``; return its path."""
+    script_path = Path(script_path)
+    path = script_path.with_suffix(".sbatch")
+    path.write_text(batch_text(script_path.name, opts))
+    return path
