@@ -9,7 +9,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.ddplab-installed
 
 .PHONY: lab test test-fast test-unit test-labs test-browser check test-unit-more test-labs-more test-labs-ws1 \
-	test-hub test-gpu test-graders handouts exercises bench clean
+	test-hub test-gpu test-graders handouts exercises bench clean test-slurm
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -68,7 +68,7 @@ test-browser: $(STAMP)
 # make check: make test, then CHECK_MORE in this order. Whatever is too long for make test
 # goes into CHECK_MORE (add a target's name to the list: the full
 # grader mutation catalogue, ...); make check stays <= 45 min on a 2-core machine.
-CHECK_MORE = test-unit-more test-labs-more test-labs-ws1 test-graders test-hub handouts
+CHECK_MORE = test-unit-more test-labs-more test-labs-ws1 test-graders test-hub handouts test-slurm
 check: $(STAMP)
 	$(MAKE) test
 	$(MAKE) $(CHECK_MORE)
@@ -93,6 +93,13 @@ test-hub: $(STAMP)
 	npm ci --prefix proxy --no-audit --no-fund
 	DDPLAB_HUB_TEST=1 $(PY) -m pytest -q tests/test_classroom_hub.py tests/test_classroom_grading.py \
 	  tests/test_classroom_exchange.py
+
+# A real Slurm (Debian's slurm-wlm and munge, apt-installed when missing; root): munged,
+# slurmctld and two emulated nodes on 127.0.0.1, started and stopped by the test. A lab's cells
+# exported with %ddp_export --sbatch run as 2-node jobs (srun, and torchrun per node) and must
+# print the notebook's numbers; ddplab.record in the job writes its timeline (docs/hpc.md).
+test-slurm: $(STAMP)
+	DDPLAB_SLURM_TEST=1 $(call pytest_or_say_empty,-q tests/test_slurm.py)
 
 # Every exercise's grader against its mutation catalogue (correct and wrong solutions) on live ranks.
 test-graders: $(STAMP)
