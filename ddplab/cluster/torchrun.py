@@ -125,11 +125,11 @@ def init_from_env(backend: str = "auto", timeout: float | None = None,
     divided by the ranks on it, overriding torchrun's OMP_NUM_THREADS=1.
     Calling it again in the same process returns the same DistEnv.
     """
+    launchers.adopt()  # Slurm's or Open MPI's variables, as torchrun's (when RANK is not set)
+    env = read_env()  # a wrong launch fails here, before the seconds torch takes to import
     import torch
     import torch.distributed as dist
 
-    launchers.adopt()  # Slurm's or Open MPI's variables, as torchrun's (when RANK is not set)
-    env = read_env()
     if dist.is_initialized():
         return current_env()
     # Ranks share this machine's GPUs and cores, not the whole job's: count local ranks.
