@@ -42,7 +42,7 @@ from ddplab.sync.core import bucketed as reference
 
 MB = 2 ** 20
 DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64]
-CASES = 2400
+CASES = 2000
 
 
 def _caps(rng):
@@ -154,3 +154,19 @@ def test_ddplabs_bucket_rules_equal_torchs_cpp_assignment_on_random_parameter_li
     # The draw must reach the cases the comparison is about.
     assert min(seen["default"], seen["explicit"], seen["list"]) >= CASES // 8
     assert seen["tails"] >= 200 and seen["sparse"] >= 100
+
+
+def test_lab10s_transformer_is_two_buckets_at_the_default_cap_and_one_at_an_explicit_25():
+    """Lab 10's claim, by torch's own rule (reverse parameters() order, as its backward gives):
+    the default cap (None) makes a 1 MiB first bucket, so two; only bucket_cap_mb=25 gives one."""
+    from ddplab.measure.models import build
+
+    params = [p for p in build("transformer").parameters() if p.requires_grad]
+    backwards = list(reversed(range(len(params))))
+    sizes = {}
+    for cap in (None, 25):
+        limits = list(layout.Caps.create(cap).limits)
+        buckets = _torch(params, limits, frozenset(), backwards)
+        assert layout.assign_buckets(params, cap) == buckets
+        sizes[cap] = [sum(params[i].numel() * params[i].element_size() for i in b) for b in buckets]
+    assert sizes[None] == [1_056_768, 2_411_520] and sizes[25] == [3_468_288]
