@@ -76,6 +76,19 @@ def test_every_slip_changes_the_layout_of_some_case():
         assert differs, mistake
 
 
+def test_lab09_exercise_2s_cap_is_one_where_the_rule_decides_the_answer():
+    """rebuild_on_rank's model at bucket_cap_mb=0.001: torch's rule (add, then close) gives 2
+    buckets, closing before the cap would be exceeded gives 4, the default cap 1 (a run on 2
+    ranks gave torch's 2 and 1: [[c.bias, c.weight, b.bias, b.weight], [a.bias, a.weight]])."""
+    from ddplab.lessons import reducer_map
+
+    params = list(reducer_map._declared_out_of_order().parameters())
+    ready = [1, 0, 3, 2, 5, 4]  # c, b, a: the order backward gives (bias, then weight)
+    assert B.layout(params, 0.001, ready) == [[1, 0, 3, 2], [5, 4]]
+    assert len(B.layout(params, 0.001, ready, close_before=True)) == 4
+    assert B.layout(params, None, ready) == [ready]
+
+
 @pytest.fixture(scope="module")
 def live_buckets(session_cluster2):
     session_cluster2.ensure_ready()
