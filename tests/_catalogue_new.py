@@ -115,10 +115,14 @@ def _limits(cap):
     return [mib, 25 * mib] if cap is None else [cap * mib]
 
 
-def buckets_ok_lists(params, bucket_cap_mb=None):
+def _ready(params, ready_order):
+    return range(len(params) - 1, -1, -1) if ready_order is None else ready_order
+
+
+def buckets_ok_lists(params, bucket_cap_mb=None, ready_order=None):
     limits = _limits(bucket_cap_mb)
     done, open_ = [], {}
-    for i in range(len(params) - 1, -1, -1):
+    for i in _ready(params, ready_order):
         p = params[i]
         state = open_.setdefault(p.dtype, {"idx": [], "bytes": 0, "k": 0})
         state["idx"].append(i)
@@ -129,11 +133,11 @@ def buckets_ok_lists(params, bucket_cap_mb=None):
     return done + [s["idx"] for s in open_.values() if s["idx"]]
 
 
-def buckets_ok_generator(params, bucket_cap_mb=None):
+def buckets_ok_generator(params, bucket_cap_mb=None, ready_order=None):
     def walk():
         limits = _limits(bucket_cap_mb)
         current = {}
-        for i in reversed(range(len(params))):
+        for i in list(_ready(params, ready_order)):
             key = params[i].dtype
             idx, size, k = current.pop(key, ([], 0, 0))
             idx = idx + [i]
@@ -143,12 +147,12 @@ def buckets_ok_generator(params, bucket_cap_mb=None):
                 current[key] = ([], 0, min(k + 1, len(limits) - 1))
             else:
                 current[key] = (idx, size, k)
-        yield from (idx for idx, _, _ in current.values() if idx)
+        yield from (idx for idx, _, _ in current.values() if idx)  # still open: any order
     return list(walk())
 
 
-def buckets_ok_torch_helper(params, bucket_cap_mb=None):
-    order = list(range(len(params)))[::-1]
+def buckets_ok_torch_helper(params, bucket_cap_mb=None, ready_order=None):
+    order = list(_ready(params, ready_order))
     limits = [int(x) for x in _limits(bucket_cap_mb)]
     buckets, _ = dist._compute_bucket_assignment_by_size([params[i] for i in order], limits,
                                                          [False] * len(order), order)
@@ -156,11 +160,11 @@ def buckets_ok_torch_helper(params, bucket_cap_mb=None):
 
 
 # -- lab 09: bucket assignment, wrong ----------------------------------------------------------------
-def _rule(params, cap, *, close_at=lambda size, limit: size >= limit, limits=None, tail=True,
-          post=None):
+def _rule(params, cap, ready_order=None, *, close_at=lambda size, limit: size >= limit,
+          limits=None, tail=True, post=None):
     limits = limits or _limits(cap)
     done, open_ = [], {}
-    for i in reversed(range(len(params))):
+    for i in _ready(params, ready_order):
         p = params[i]
         idx, size, k = open_.get(p.dtype, ([], 0, 0))
         idx, size = idx + [i], size + p.numel() * p.element_size()
@@ -172,47 +176,71 @@ def _rule(params, cap, *, close_at=lambda size, limit: size >= limit, limits=Non
     return post(out) if post else out
 
 
-def buckets_strictly_over(params, bucket_cap_mb=None):  # > instead of >=
-    return _rule(params, bucket_cap_mb, close_at=lambda size, limit: size > limit)
+def buckets_strictly_over(params, bucket_cap_mb=None, ready_order=None):  # > instead of >=
+    return _rule(params, bucket_cap_mb, ready_order, close_at=lambda size, limit: size > limit)
 
 
-def buckets_forget_open_tail(params, bucket_cap_mb=None):
-    return _rule(params, bucket_cap_mb, tail=False)
+def buckets_forget_open_tail(params, bucket_cap_mb=None, ready_order=None):
+    return _rule(params, bucket_cap_mb, ready_order, tail=False)
 
 
-def buckets_last_first(params, bucket_cap_mb=None):
-    return _rule(params, bucket_cap_mb, post=lambda out: out[::-1])
+def buckets_last_first(params, bucket_cap_mb=None, ready_order=None):
+    return _rule(params, bucket_cap_mb, ready_order, post=lambda out: out[::-1])
 
 
-def buckets_sorted_inside(params, bucket_cap_mb=None):
-    return _rule(params, bucket_cap_mb, post=lambda out: [sorted(b) for b in out])
+def buckets_sorted_inside(params, bucket_cap_mb=None, ready_order=None):
+    return _rule(params, bucket_cap_mb, ready_order, post=lambda out: [sorted(b) for b in out])
 
 
-def buckets_cap_ignored(params, bucket_cap_mb=None):
-    return _rule(params, None)
+def buckets_cap_ignored(params, bucket_cap_mb=None, ready_order=None):
+    return _rule(params, None, ready_order)
 
 
-def buckets_param_objects(params, bucket_cap_mb=None):
-    return _rule(params, bucket_cap_mb, post=lambda out: [[params[i] for i in b] for b in out])
+def buckets_param_objects(params, bucket_cap_mb=None, ready_order=None):
+    return _rule(params, bucket_cap_mb, ready_order, post=lambda out: [[params[i] for i in b] for b in out])
 
 
-def buckets_none_cap_crashes(params, bucket_cap_mb=None):
-    return _rule(params, bucket_cap_mb, limits=[bucket_cap_mb * 2 ** 20])
+def buckets_none_cap_crashes(params, bucket_cap_mb=None, ready_order=None):
+    return _rule(params, bucket_cap_mb, ready_order, limits=[bucket_cap_mb * 2 ** 20])
 
 
-def buckets_cap_in_kib(params, bucket_cap_mb=None):
-    return _rule(params, bucket_cap_mb, limits=[x / 1024 * 1000 for x in _limits(bucket_cap_mb)])
+def buckets_cap_in_kib(params, bucket_cap_mb=None, ready_order=None):
+    return _rule(params, bucket_cap_mb, ready_order, limits=[x / 1024 * 1000 for x in _limits(bucket_cap_mb)])
 
 
-def buckets_one_bucket(params, bucket_cap_mb=None):
+def buckets_one_bucket(params, bucket_cap_mb=None, ready_order=None):
     return [list(reversed(range(len(params))))]
+
+
+def buckets_ok_tail_reversed(params, bucket_cap_mb=None, ready_order=None):
+    # the buckets still open at the end in another order: torch's is its hash map's
+    limits = _limits(bucket_cap_mb)
+    closed, open_ = [], {}
+    for i in _ready(params, ready_order):
+        idx, size, k = open_.pop(params[i].dtype, ([], 0, 0))
+        idx, size = idx + [i], size + params[i].numel() * params[i].element_size()
+        if size >= limits[k]:
+            closed.append(idx)
+            idx, size, k = [], 0, min(k + 1, len(limits) - 1)
+        open_[params[i].dtype] = (idx, size, k)
+    return closed + [idx for idx, _, _ in reversed(open_.values()) if idx]
+
+
+def buckets_ready_order_ignored(params, bucket_cap_mb=None, ready_order=None):
+    return _rule(params, bucket_cap_mb, None)
+
+
+def buckets_two_args(params, bucket_cap_mb=None):  # the signature before ready_order
+    return _rule(params, bucket_cap_mb)
 
 
 BUCKET_ASSIGNMENT = {
     "check": lambda cluster, fn: B.check_bucket_assignment(cluster, fn), "world": 2,
-    "correct": [buckets_ok_lists, buckets_ok_generator, buckets_ok_torch_helper],
+    "correct": [buckets_ok_lists, buckets_ok_generator, buckets_ok_torch_helper,
+                buckets_ok_tail_reversed],
     "wrong": [(buckets_forget_open_tail, None), (buckets_strictly_over, None), (buckets_last_first, None),
               (buckets_sorted_inside, None), (buckets_cap_ignored, None),
               (buckets_param_objects, B.NOT_BUCKETS), (buckets_none_cap_crashes, None),
-              (buckets_cap_in_kib, None), (buckets_one_bucket, None)],
+              (buckets_cap_in_kib, None), (buckets_one_bucket, None),
+              (buckets_ready_order_ignored, B.READY_ORDER_IGNORED), (buckets_two_args, B.NO_READY_ORDER)],
 }

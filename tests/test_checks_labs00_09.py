@@ -16,12 +16,12 @@ pytestmark = pytest.mark.timeout(300)
 
 
 # -- lab 09: torch's bucket rule -----------------------------------------------------------------
-def rule_by_hand(params, bucket_cap_mb=None):
+def rule_by_hand(params, bucket_cap_mb=None, ready_order=None):
     """A learner's version: one open bucket per dtype, add then close at the limit."""
     mib = 1024 * 1024
     limits = [1 * mib, 25 * mib] if bucket_cap_mb is None else [bucket_cap_mb * mib]
     buckets, open_ = [], {}
-    for i in reversed(range(len(params))):
+    for i in (reversed(range(len(params))) if ready_order is None else ready_order):
         p = params[i]
         idx, size, k = open_.get(p.dtype, ([], 0, 0))
         idx, size = idx + [i], size + p.numel() * p.element_size()
@@ -32,27 +32,61 @@ def rule_by_hand(params, bucket_cap_mb=None):
     return buckets + [idx for idx, _, _ in open_.values() if idx]
 
 
-def rule_with_torch(params, bucket_cap_mb=None):
+def rule_with_torch(params, bucket_cap_mb=None, ready_order=None):
     """Another: torch's own helper, given the parameters in gradient-ready order."""
     limits = ([dist._DEFAULT_FIRST_BUCKET_BYTES, 25 * 2 ** 20] if bucket_cap_mb is None
               else [int(bucket_cap_mb * 2 ** 20)])
-    order = list(reversed(range(len(params))))
+    order = list(reversed(range(len(params)))) if ready_order is None else list(ready_order)
     buckets, _ = dist._compute_bucket_assignment_by_size(
         [params[i] for i in order], limits, [False] * len(params), order)
     return [list(b) for b in buckets]
 
 
-def rule_as_tuples(params, bucket_cap_mb=None):
+def rule_as_tuples(params, bucket_cap_mb=None, ready_order=None):
     """And one returning tuples of numpy-style ints: any sequence of indices is an answer."""
-    return tuple(tuple(torch.tensor(b).tolist()) for b in rule_by_hand(params, bucket_cap_mb))
+    return tuple(tuple(torch.tensor(b).tolist())
+                 for b in rule_by_hand(params, bucket_cap_mb, ready_order))
+
+
+def rule_open_tail_sorted(params, bucket_cap_mb=None, ready_order=None):
+    """And one putting the buckets still open at the end in yet another order (by dtype name):
+    torch's order there is its hash map's, so any order passes."""
+    closed, still_open = B._walk(params, bucket_cap_mb, ready_order)
+    return closed + sorted(still_open, key=lambda b: str(params[b[0]].dtype))
+
+
+def _params_and_order(case):
+    layers, cap, *use = case
+    return list(B.case_model(layers, use=use[0] if use else None).parameters()), cap, \
+        B.expected_ready_order(case)
+
+
+def test_the_cases_end_with_several_dtypes_open_and_one_uses_its_layers_out_of_order():
+    opens = [len(B._walk(*_params_and_order(c))[1]) for c in B.CASES]
+    assert max(opens) >= 3 and sum(n >= 2 for n in opens) >= 2
+    orders = [B.expected_ready_order(c) for c in B.CASES]
+    assert any(o != list(range(len(o)))[::-1] for o in orders)
 
 
 def test_every_slip_changes_the_layout_of_some_case():
     for mistake, switches in B.SLIPS.items():
-        differs = [cap for layers, cap in B.CASES
-                   if B.layout(list(B.case_model(layers).parameters()), cap, **switches)
-                   != B.layout(list(B.case_model(layers).parameters()), cap)]
+        differs = [c for c in B.CASES
+                   if not B.same_buckets(B.layout(*_params_and_order(c), **switches),
+                                         *B._as_rule(*_params_and_order(c)))]
         assert differs, mistake
+
+
+def test_lab09_exercise_2s_cap_is_one_where_the_rule_decides_the_answer():
+    """rebuild_on_rank's model at bucket_cap_mb=0.001: torch's rule (add, then close) gives 2
+    buckets, closing before the cap would be exceeded gives 4, the default cap 1 (a run on 2
+    ranks gave torch's 2 and 1: [[c.bias, c.weight, b.bias, b.weight], [a.bias, a.weight]])."""
+    from ddplab.lessons import reducer_map
+
+    params = list(reducer_map._declared_out_of_order().parameters())
+    ready = [1, 0, 3, 2, 5, 4]  # c, b, a: the order backward gives (bias, then weight)
+    assert B.layout(params, 0.001, ready) == [[1, 0, 3, 2], [5, 4]]
+    assert len(B.layout(params, 0.001, ready, close_before=True)) == 4
+    assert B.layout(params, None, ready) == [ready]
 
 
 @pytest.fixture(scope="module")
@@ -63,17 +97,21 @@ def live_buckets(session_cluster2):
 
 @pytest.mark.slow
 def test_the_rule_predicts_torchs_live_reducer_and_correct_answers_pass(live_buckets):
-    for (layers, cap), want in zip(B.CASES, live_buckets):
-        assert B.layout(list(B.case_model(layers).parameters()), cap) == want
-    for fn in (rule_by_hand, rule_with_torch, rule_as_tuples):
+    for case, (want, ready) in zip(B.CASES, live_buckets):
+        params, cap, expected = _params_and_order(case)
+        assert ready == expected  # backward's order: the layers used last come first
+        assert B.same_buckets(B.layout(params, cap, ready), *B._as_rule(params, cap, ready))
+        rule, n_open = B._as_rule(params, cap, ready)
+        assert B.same_buckets(rule, want, n_open)
+    for fn in (rule_by_hand, rule_with_torch, rule_as_tuples, rule_open_tail_sorted):
         B.judge(fn, live_buckets)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("mistake", list(B.SLIPS))
 def test_each_slip_is_named(live_buckets, mistake):
-    def slipped(params, bucket_cap_mb):
-        return B.layout(params, bucket_cap_mb, **B.SLIPS[mistake])
+    def slipped(params, bucket_cap_mb, ready_order=None):
+        return B.layout(params, bucket_cap_mb, ready_order, **B.SLIPS[mistake])
     with pytest.raises(CheckFailed) as err:
         B.judge(slipped, live_buckets)
     assert err.value.mistake == mistake
@@ -81,15 +119,16 @@ def test_each_slip_is_named(live_buckets, mistake):
 
 @pytest.mark.slow
 def test_a_stub_a_crash_and_a_non_answer_are_verdicts_in_words(live_buckets):
-    def stub(params, bucket_cap_mb):
+    def stub(params, bucket_cap_mb, ready_order=None):
         raise NotImplementedError
 
-    def crash(params, bucket_cap_mb):
+    def crash(params, bucket_cap_mb, ready_order=None):
         return params[99]
 
     for fn, mistake in ((stub, "not implemented yet"), (crash, "your code raised an exception"),
-                        (lambda params, cap: None, B.NOT_BUCKETS),
-                        (lambda params, cap: [list(range(len(params)))], B.WRONG_LAYOUT)):
+                        (lambda params, cap, ready_order: None, B.NOT_BUCKETS),
+                        (lambda params, cap, ready_order: [list(range(len(params)))],
+                         B.WRONG_LAYOUT)):
         with pytest.raises(CheckFailed) as err:
             B.judge(fn, live_buckets)
         assert err.value.mistake == mistake

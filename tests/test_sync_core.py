@@ -4,8 +4,9 @@ Their training results are checked in tests/test_sync_differential.py (equal
 to the full reducers, torch DDP and one process after every step, at 2 and 3
 ranks). Here: they refuse what they do not support, naming who does; the
 bucketed one launches in index order however gradients arrive; a parameter
-that gets no gradient is an error naming it, on every rank, not a hang; a
-model wrapped twice is synchronized once.
+that gets no gradient is an error naming it, on every rank, not a hang (the
+bucketed one as torch's DDP: backward returns without averaging, the next
+forward raises); a model wrapped twice is synchronized once.
 """
 from __future__ import annotations
 
@@ -81,6 +82,43 @@ def _unused(wrapper):
     ddp = getattr(core, wrapper)(HasAnUnusedLayer().double())
     x, y = H.union_batch(0, 8)
     nn.functional.mse_loss(ddp(x), y).backward()
+    ddp(x)  # the reference BucketedDDP raises here, at the next forward, as torch's DDP does
+
+
+def _unused_beside_torch():
+    """The reference and torch's DDP on a model with an unused layer, rank-own data: where
+    each raises, and whether the backward before averaged anything."""
+    out = {}
+    for name, wrap in (("core", core.BucketedDDP), ("torch", nn.parallel.DistributedDataParallel)):
+        torch.manual_seed(0)
+        ddp = wrap(HasAnUnusedLayer().double())
+        x, y = H.union_batch(dist.get_rank(), 8)  # each rank its own batch
+        nn.functional.mse_loss(ddp(x), y).backward()  # returns: no finalize was queued
+        grad = ddp.module.fc1.weight.grad.clone()
+        mine = torch.zeros_like(grad)
+        dist.all_reduce(mine.copy_(grad))  # the group is clean: no bucket went out
+        try:
+            ddp(x)
+            raised = ""
+        except RuntimeError as err:
+            raised = str(err)
+        out[name] = {"averaged": torch.equal(mine / dist.get_world_size(), grad),
+                     "raised": raised}
+        if name == "core":  # and the reference goes on once the model is fixed
+            ddp.module.spare.requires_grad_(False)
+            ddp2 = core.BucketedDDP(ddp.module)
+            nn.functional.mse_loss(ddp2(x), y).backward()
+            out["core_after_fix"] = ddp2.ready == set()
+    return out
+
+
+def test_a_parameter_without_gradient_lets_backward_return_and_the_next_forward_raise_as_torch(
+        cluster2):
+    for r in cluster2.run(_unused_beside_torch):
+        for name in ("core", "torch"):
+            assert not r[name]["averaged"], name  # that backward averaged nothing
+            assert "Expected to have finished reduction in the prior iteration" in r[name]["raised"]
+        assert "spare.weight" in r["core"]["raised"] and r["core_after_fix"]
 
 
 @pytest.mark.parametrize("wrapper", ["BucketedDDP", "OverlapDDP"])

@@ -9,7 +9,9 @@ rebuild). Cases: 10 tensors of 0.6 MiB at 2 MiB (4, 4, 2); bucket_cap_mb
 left at None (a 1 MiB first bucket) and given; alternating float32/float16
 (one open bucket per dtype); find_unused_parameters (construction layout in
 parameters() order, reversed, never rebuilt); the rebuild in gradient-ready
-order; torch 2.13's bucket_cap_mb_list.
+order; torch 2.13's bucket_cap_mb_list; find_unused_parameters with
+static_graph (one bucket at construction, then rebuilt, the unused layer
+last). The rule itself is fuzzed against torch's in tests/test_bucket_rule_vs_torch.py.
 """
 from __future__ import annotations
 
@@ -107,12 +109,14 @@ def test_bucket_cap_mb_list_gives_each_bucket_its_limit():
 class Stack(nn.Module):
     """Four 400x400 float32 layers (0.61 MiB weights); ``backwards`` declares them last-first."""
 
-    def __init__(self, backwards=False, mixed=False):
+    def __init__(self, backwards=False, mixed=False, spare=False):
         super().__init__()
         self.layers = nn.ModuleList(nn.Linear(400, 400) for _ in range(4))
         if mixed:
             self.layers[1].half(), self.layers[3].half()
         self.order = [3, 2, 1, 0] if backwards else [0, 1, 2, 3]
+        if spare:  # declared last, never used: no gradient ever
+            self.spare = nn.Linear(400, 400)
 
     def forward(self, x):
         for i in self.order:
@@ -124,15 +128,16 @@ def _bucket_sizes(buckets):
     return ", ".join(str(b["nbytes"]) for b in buckets)
 
 
-def _layouts_on_rank(ddp_kw, backwards=False, mixed=False):
+def _layouts_on_rank(ddp_kw, backwards=False, mixed=False, spare=False):
     def model():
         torch.manual_seed(0)
-        return Stack(backwards, mixed)
+        return Stack(backwards, mixed, spare)
 
     full_kw = {k: v for k, v in ddp_kw.items()}
     wrappers = {"ddp": nn.parallel.DistributedDataParallel(model(), **ddp_kw),
                 "full": ddplab.BucketedDDP(model(), **full_kw)}
-    core_ok = not (ddp_kw.get("find_unused_parameters") or ddp_kw.get("bucket_cap_mb_list"))
+    core_ok = not (ddp_kw.get("find_unused_parameters") or ddp_kw.get("bucket_cap_mb_list")
+                   or ddp_kw.get("static_graph"))
     if core_ok:
         wrappers["core"] = core.BucketedDDP(model(), bucket_cap_mb=ddp_kw.get("bucket_cap_mb"))
     names = [n for n, _ in model().named_parameters()]
@@ -166,7 +171,8 @@ def test_rebuilt_layouts_equal_torch_ddps(cluster2, kw, backwards):
     assert r["full_bytes"] == log["rebuilt_bucket_sizes"]
     ready = [int(i) for i in log["prev_iteration_grad_ready_order_indices"].split(",")]
     if "bucket_cap_mb_list" not in kw:
-        assert len(seen["full"][0]) == 1  # iteration 0: one bucket, as in torch
+        assert len(seen["full"][0]) == 1  # iteration 0: one bucket, as in torch's
+        assert log["bucket_sizes"] == str(_one_bucket_bytes(backwards))  # logging data
     if "core" in seen:
         if ready == list(range(len(r["names"])))[::-1]:  # gradients in reverse declaration order
             assert seen["core"][0] == torch_rebuilt_layout
@@ -188,6 +194,31 @@ def test_mixed_dtypes_rebuild_like_torch(cluster2):
     r = cluster2.run(_layouts_on_rank, {"bucket_cap_mb": 0.5}, False, True)[0]
     log = r["log"]
     assert len(r["seen"]["full"][0]) == 2  # iteration 0: one bucket per dtype
-    ours = sorted(map(sorted, r["seen"]["full"][-1]))
-    assert ours == sorted(map(sorted, _indices(log["rebuilt_per_bucket_param_indices"])))
-    assert r["seen"]["core"][0] == r["seen"]["full"][-1]
+    # Both dtypes are still open when the walk ends (0.5 MiB: 2 x 0.61 MiB closes one bucket of
+    # each): the buckets that closed in order, the open ones as a set (torch's hash map
+    # order); ddplab's order for those matched torch's here too.
+    theirs = _indices(log["rebuilt_per_bucket_param_indices"])
+    ours = r["seen"]["full"][-1]
+    assert ours[:-2] == theirs[:-2] and sorted(ours[-2:]) == sorted(theirs[-2:])
+    assert ours == theirs
+    assert r["seen"]["core"][0] == ours
+
+
+def _one_bucket_bytes(backwards=False, mixed=False, spare=False):
+    return sum(p.numel() * p.element_size() for p in Stack(backwards, mixed, spare).parameters())
+
+
+def test_find_unused_parameters_with_static_graph_is_one_bucket_then_rebuilt_like_torch(cluster2):
+    # static_graph=True brings back torch's one-bucket first iteration and the rebuild
+    # ((static_graph_ || !find_unused_parameters_) && !has_rebuilt_bucket_); the spare layer
+    # never gets a gradient, and the rebuild puts it after the ones that did.
+    r = cluster2.run(_layouts_on_rank, {"bucket_cap_mb": 1, "find_unused_parameters": True,
+                                        "static_graph": True}, False, False, True)[0]
+    log = r["log"]
+    assert log["bucket_sizes"] == str(_one_bucket_bytes(spare=True))  # construction: one bucket
+    assert len(r["seen"]["full"][0]) == 1
+    assert log["has_rebuilt_buckets"] == 1
+    theirs = _indices(log["rebuilt_per_bucket_param_indices"])
+    assert r["seen"]["full"][-1] == theirs
+    assert r["full_bytes"] == log["rebuilt_bucket_sizes"]
+    assert sorted([i for b in theirs for i in b][-2:]) == [8, 9], theirs  # the spare comes last

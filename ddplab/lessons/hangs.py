@@ -8,11 +8,12 @@ Teaches, one function per question (lab 06):
   Under ``TORCH_DISTRIBUTED_DEBUG=DETAIL`` torch wraps the process group so
   that every collective first compares a fingerprint (op type, shapes,
   dtypes) across ranks, and the error names both collectives;
-- ``unused_branch_on_rank``: a parameter that forward did not use makes
-  torch DDP stop at the next forward with "Expected to have finished
-  reduction in the prior iteration"; ``find_unused_parameters=True`` and
-  ``static_graph=True`` fix it, and ``static_graph`` refuses a graph whose
-  unused set changes;
+- ``unused_branch_on_rank``: a parameter that forward did not use leaves
+  its bucket unlaunched, so torch's reducer never queues
+  ``finalize_backward``: backward RETURNS, gradients not averaged, and the
+  NEXT forward raises "Expected to have finished reduction in the prior
+  iteration"; ``find_unused_parameters=True`` and ``static_graph=True`` fix
+  it, and ``static_graph`` refuses a graph whose unused set changes;
 - ``detection_cost_on_rank``: what those two options cost per step, as
   ratios to plain DDP, measured interleaved (the same rep of each in turn);
 - ``nccl_env_aliases``: today's ``TORCH_NCCL_*`` names and the older names
@@ -84,10 +85,13 @@ OPTIONS = {"plain": {}, "find_unused_parameters": {"find_unused_parameters": Tru
 
 
 def unused_branch_on_rank(option: str = "plain", aux_every_other_step: bool = False, steps: int = 3):
-    """Train TwoHeads under torch DDP with ``option``; "ok" or the first error and its step.
+    """Train TwoHeads under torch DDP with ``option``; "ok" or the first error, its step and
+    where it was raised (``"forward"`` or ``"backward"``).
 
     ``aux_every_other_step=False``: ``aux`` is never used (the same set every step);
     ``True``: it is used on odd steps only (the graph changes between steps).
+    ``grads``: per finished backward, ``trunk.weight.grad``'s sum on this rank (averaged over
+    ranks when DDP synchronized, this rank's own when it did not).
     """
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
@@ -97,15 +101,21 @@ def unused_branch_on_rank(option: str = "plain", aux_every_other_step: bool = Fa
     model = DDP(TwoHeads(), **OPTIONS[option])
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     g = torch.Generator().manual_seed(dist.get_rank())
+    grads = []
     for step in range(steps):
         x, y = torch.randn(4, 8, generator=g), torch.randn(4, 4, generator=g)
         opt.zero_grad()
+        where = "forward"
         try:
-            F.mse_loss(model(x, use_aux=aux_every_other_step and step % 2 == 1), y).backward()
+            loss = F.mse_loss(model(x, use_aux=aux_every_other_step and step % 2 == 1), y)
+            where = "backward"
+            loss.backward()
         except RuntimeError as err:  # DDP raises the same on every rank, so nothing hangs
-            return {"ok": False, "step": step, "error": str(err).split("\n")[0]}
+            return {"ok": False, "step": step, "where": where, "grads": grads,
+                    "error": str(err).split("\n")[0]}
+        grads.append(float(model.module.trunk.weight.grad.sum()))
         opt.step()
-    return {"ok": True, "step": steps, "error": ""}
+    return {"ok": True, "step": steps, "where": "", "grads": grads, "error": ""}
 
 
 def _deep(seed=0, depth=48, width=64):

@@ -13,7 +13,8 @@ where it has the step, else the full ``ddplab.sync.BucketedDDP``:
   (the wheel ships this header): ``autograd_hook`` runs as each gradient is
   accumulated, ``mark_variable_ready`` copies it into its bucket,
   ``mark_bucket_ready`` launches buckets in index order, ``finalize_backward``
-  waits for them at the end of backward, ``rebuild_buckets`` re-lays them in
+  (queued by ``mark_variable_ready`` once the last bucket is launched) waits
+  for them at the end of backward, ``rebuild_buckets`` re-lays them in
   the order gradients became ready. ``reducer.cpp`` is NOT in the wheel:
   ``cpp_url()`` links it at the installed version's release tag.
 
@@ -30,8 +31,9 @@ declaration order from the start: it leaves the rebuild out).
 
 Leaves out: the C++ bodies themselves (read them at ``cpp_url()``), the
 static-graph, unused-parameter and join paths, the logger and the CUDA side.
-(With ``find_unused_parameters=True`` torch never rebuilds: its first
-layout, made with the caps, stays; ``ddplab.sync.layout`` says more.)
+(With ``find_unused_parameters=True`` and no ``static_graph`` torch never
+rebuilds: its first layout, made with the caps, stays; ``ddplab.sync.layout``
+says more.)
 References: torch/nn/parallel/distributed.py; torch/csrc/distributed/c10d/
 reducer.hpp and reducer.cpp; torch's "DDP internal design" notes.
 """
@@ -59,8 +61,11 @@ STEPS = (
     Step("assign parameters to buckets", "DistributedDataParallel._ddp_init_helper",
          "_compute_bucket_assignment_by_size",
          "ddplab.sync.core.bucketed.compute_bucket_assignment_by_size",
-         "reverse parameter order; a tensor is added to its dtype's open bucket, which closes "
-         "once it reaches bucket_cap_mb (torch's rule; iteration 0 has one bucket per dtype)"),
+         "torch assigns in parameters() order and reverses the list of buckets (backward fills "
+         "the last layers' first); a tensor is added to its dtype's open bucket, which closes "
+         "once it reaches the limit. Iteration 0 has one bucket per dtype unless "
+         "find_unused_parameters=True without static_graph, or bucket_cap_mb_list. The "
+         "reference walks reversed parameters() order: the rebuilt layout of a plain stack"),
     Step("broadcast rank 0's weights", "DistributedDataParallel.__init__", "_sync_module_states",
          "ddplab.sync.core.bucketed.BucketedDDP._sync_module_states", "every rank starts from the same model"),
     Step("build the C++ reducer", "DistributedDataParallel._ddp_init_helper", "dist.Reducer", "",
@@ -73,8 +78,9 @@ STEPS = (
     Step("rebuild buckets in grad-ready order", "DistributedDataParallel._pre_forward",
          "_rebuild_buckets", "ddplab.sync.bucketed.BucketedDDP._rebuild_buckets",
          "once, at the first grad-enabled forward after the first synchronizing backward, in "
-         "the order gradients arrived then (rank 0's); never with find_unused_parameters. The "
-         "full BucketedDDP does the same; the reference keeps reverse parameter order"),
+         "the order gradients arrived then (rank 0's); not with find_unused_parameters=True "
+         "unless static_graph=True. The full BucketedDDP does the same; the reference keeps "
+         "reverse parameter order"),
     Step("prepare_for_backward", "DistributedDataParallel._post_forward", "prepare_for_backward",
          "ddplab.sync.bucketed.BucketedDDP.forward",
          "expected buckets reset; with find_unused_parameters the graph is searched from the outputs"),
@@ -90,8 +96,10 @@ STEPS = (
     Step("comm hook or all-reduce", "", "run_comm_hook", "ddplab.sync.comm_hooks.run_hook",
          "a registered hook replaces the bucket's all-reduce and must return a future"),
     Step("finalize_backward", "", "finalize_backward", "ddplab.sync.core.bucketed.BucketedDDP.finalize_backward",
-         "queued on the autograd engine, runs when backward's compute ends: waits on every "
-         "bucket and writes the averages into param.grad"),
+         "queued on the autograd engine by mark_variable_ready once the last bucket is "
+         "launched, runs when backward's compute ends: waits on every bucket and writes the "
+         "averages into param.grad. A parameter without a gradient: never queued, backward "
+         "returns, the next forward raises"),
 )
 
 

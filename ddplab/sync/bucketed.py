@@ -24,9 +24,10 @@ the wrong buffers. torch's reducer keeps the same rule.
 
 ``model.bucket_layout`` lists each bucket's parameter names and bytes. As in
 torch, the first synchronizing backward uses ONE bucket per dtype (unless
-``find_unused_parameters`` or ``bucket_cap_mb_list``), and the buckets are
-rebuilt at the next forward in the order gradients became ready (rank 0's
-order); with ``find_unused_parameters`` the first layout stays.
+``bucket_cap_mb_list``, or ``find_unused_parameters`` without
+``static_graph``), and the buckets are rebuilt at the next forward in the
+order gradients became ready (rank 0's order); with
+``find_unused_parameters`` and no ``static_graph`` the first layout stays.
 
 Host cost per gradient tensor. torch's reducer is C++; here every gradient
 costs one Python hook, so what each hook does is what this class costs.

@@ -11,7 +11,8 @@ to see:
 - with ``find_unused_parameters`` left False (the default), iteration 0 uses
   ONE bucket holding every parameter; before iteration 1 the reducer
   rebuilds its buckets in the order gradients became ready (with
-  ``find_unused_parameters=True`` it never rebuilds). Those two iterations
+  ``find_unused_parameters=True`` and no ``static_graph`` it never
+  rebuilds). Those two iterations
   are flagged ("ddp_one_bucket", "ddp_rebuild"), drawn, labelled, and left
   out of averages;
 - which parameters each bucket holds: the group sees a flat buffer, so the

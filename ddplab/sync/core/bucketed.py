@@ -10,18 +10,26 @@ is still computing earlier layers. The names are torch's (reducer.cpp):
    (one flat buffer holds one dtype), and the bucket closes once its size
    REACHES the cap, so buckets end a little over it. ``bucket_cap_mb`` is in
    MiB; left at None it means torch's default: a 1 MiB first bucket per
-   dtype (the first gradients can leave sooner), then 25 MiB.
-2. ``autograd_hook``: a post-accumulate-grad hook on each parameter; the
-   first one of a backward queues ``finalize_backward`` on the autograd
-   engine.
+   dtype (the first gradients can leave sooner), then 25 MiB. The buckets
+   still open at the end come last; torch takes those from a hash map, so
+   their order among themselves is the map's (``ddplab.sync.layout`` says
+   what was measured); here, the reverse of the order their dtypes appeared.
+2. ``autograd_hook``: a post-accumulate-grad hook on each parameter.
 3. ``mark_variable_ready``: copy the gradient into its slice of the
    bucket's buffer, divided by the world size; the bucket is ready when its
-   last gradient is in.
+   last gradient is in. Once the LAST bucket has been launched, queue
+   ``finalize_backward`` on the autograd engine (torch queues it there too).
 4. ``mark_bucket_ready``: launch buckets strictly in INDEX order. Ranks pair
    collectives by call order, so a rank whose bucket 2 happened to be ready
    before bucket 1 must still send bucket 1 first.
 5. ``finalize_backward``: when backward ends, wait for every bucket and copy
    the averaged slices back into ``param.grad``.
+
+A parameter that gets no gradient leaves its bucket unlaunched, so
+``finalize_backward`` is never queued: backward returns as if nothing were
+wrong, with gradients NOT averaged, and the NEXT grad-enabled forward raises
+(torch's ``ensure_prior_reduction_finished``, "Expected to have finished
+reduction in the prior iteration").
 
     model = BucketedDDP(model, bucket_cap_mb=25)
     loss_fn(model(x), y).backward()     # buckets leave during backward
@@ -31,13 +39,16 @@ is still computing earlier layers. The names are torch's (reducer.cpp):
 
 What it leaves out, compared with torch's DistributedDataParallel:
 - torch uses ONE bucket per dtype in the first iteration (unless
-  ``find_unused_parameters=True`` or ``bucket_cap_mb_list``), then REBUILDS
-  the buckets once, by the rule above, in the order gradients became ready
-  in that iteration. Here the reverse-``parameters()`` layout is kept from the
-  start: the same as torch's rebuilt layout when backward produces gradients
-  in reverse declaration order (a plain stack of layers), different when a
-  model declares layers in another order than it uses them (then the full
-  ``ddplab.BucketedDDP``, which rebuilds, matches torch);
+  ``bucket_cap_mb_list``, or ``find_unused_parameters=True`` without
+  ``static_graph``), then REBUILDS the buckets once, by the rule above, in
+  the order gradients became ready in that iteration (it never rebuilds
+  with ``find_unused_parameters=True`` unless ``static_graph=True``). Here
+  the reverse-``parameters()`` layout is kept from the start: the same as
+  torch's rebuilt layout when backward produces gradients in reverse
+  declaration order (a plain stack of layers; the order of buckets still
+  open at the end aside, above), different when a model declares layers in
+  another order than it uses them (then the full ``ddplab.BucketedDDP``,
+  which rebuilds, matches torch);
 - ``find_unused_parameters``, ``static_graph``, ``gradient_as_bucket_view``,
   ``bucket_cap_mb_list``, comm hooks and sparse gradients: refused
   here, all in ``ddplab.BucketedDDP``;
@@ -45,11 +56,17 @@ What it leaves out, compared with torch's DistributedDataParallel:
   follows a ``no_sync`` one, and broadcasts at a no_grad forward right after
   a synchronizing one): here every grad-enabled forward broadcasts, a
   no_grad forward never does; reentrant activation checkpointing; copying
-  each gradient in C++.
+  each gradient in C++;
+- after the "no gradient" error torch's reducer stays broken (every later
+  forward raises again); the reference forgets the unfinished step, so a
+  notebook can go on after the fix.
 
 References: torch/csrc/distributed/c10d/reducer.cpp (``autograd_hook``,
-``mark_variable_ready_dense``, ``mark_bucket_ready``, ``finalize_backward``,
-``compute_bucket_assignment_by_size``, ``rebuild_buckets``);
+``mark_variable_ready`` and its ``queue_callback`` once ``next_bucket_ ==
+buckets_.size()``, ``mark_variable_ready_dense``, ``mark_bucket_ready``,
+``finalize_backward``, ``ensure_prior_reduction_finished``,
+``compute_bucket_assignment_by_size``, ``rebuild_buckets``; read at
+pytorch/pytorch commit ad78a7b33a49, the nearest snapshot to v2.13.0 at hand);
 torch/nn/parallel/distributed.py (``_BucketCapacityConfig``); picotron's
 data_parallel/bucket.py and data_parallel.py.
 """
@@ -70,9 +87,9 @@ FIRST_BUCKET_CAP_MB = 1.0  # torch's dist._DEFAULT_FIRST_BUCKET_BYTES, default c
 def compute_bucket_assignment_by_size(params, bucket_cap_mb=None) -> list:
     """Buckets as lists of indices into ``params``, bucket 0 first (filled first by backward)."""
     if bucket_cap_mb is None:
-        limits = [FIRST_BUCKET_CAP_MB * MB, DEFAULT_BUCKET_CAP_MB * MB]
+        limits = [int(FIRST_BUCKET_CAP_MB * MB), int(DEFAULT_BUCKET_CAP_MB * MB)]
     else:
-        limits = [bucket_cap_mb * MB]
+        limits = [int(bucket_cap_mb * MB)]  # whole bytes: torch truncates the same way
     buckets = []
     open_buckets = {}  # (dtype, device) -> [indices, bytes, which limit]
     for i in reversed(range(len(params))):
@@ -85,7 +102,8 @@ def compute_bucket_assignment_by_size(params, bucket_cap_mb=None) -> list:
             buckets.append(indices)
             indices, size, k = [], 0, min(k + 1, len(limits) - 1)
         open_buckets[key] = (indices, size, k)
-    buckets += [indices for indices, _, _ in open_buckets.values() if indices]
+    # Still open: torch's order here is its hash map's; the reverse of first appearance.
+    buckets += [indices for indices, _, _ in reversed(open_buckets.values()) if indices]
     return buckets
 
 
@@ -129,7 +147,6 @@ class BucketedDDP(nn.Module):
         self.src = 0 if process_group is None else dist.get_global_rank(process_group, 0)
         self.require_backward_grad_sync = True  # torch's name; no_sync() clears it
         self.expect_autograd_hooks = False  # set at forward: this backward synchronizes
-        self.finalize_queued = False
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
         self.names = [n for n, _ in named]
         self.params = [p for _, p in named]
@@ -165,6 +182,7 @@ class BucketedDDP(nn.Module):
 
     def forward(self, *args, **kwargs):
         if torch.is_grad_enabled():
+            self.ensure_prior_reduction_finished()
             if self.broadcast_buffers:  # BatchNorm statistics: rank 0's on every rank
                 for b in self.module.buffers():
                     dist.broadcast(b.data, src=self.src, group=self.process_group)
@@ -186,9 +204,6 @@ class BucketedDDP(nn.Module):
         """Runs once ``param.grad`` holds this backward's gradient."""
         if not self.expect_autograd_hooks:
             return  # inside no_sync: the gradient just accumulates in param.grad
-        if not self.finalize_queued:
-            self.finalize_queued = True
-            torch.autograd.Variable._execution_engine.queue_callback(self.finalize_backward)
         self.mark_variable_ready(index)
 
     def mark_variable_ready(self, index: int):
@@ -203,6 +218,8 @@ class BucketedDDP(nn.Module):
         bucket.pending -= 1
         if bucket.pending == 0:
             self.mark_bucket_ready()
+        if self.next_bucket == len(self.buckets):  # every bucket launched: wait at the end
+            torch.autograd.Variable._execution_engine.queue_callback(self.finalize_backward)
 
     def mark_bucket_ready(self):
         """Launch every ready bucket that has no unlaunched bucket before it."""
@@ -218,15 +235,24 @@ class BucketedDDP(nn.Module):
             bucket.work.wait()
             for param, view in zip(bucket.params, bucket.views):
                 param.grad.copy_(view)
-        missing = [n for i, n in enumerate(self.names) if i not in self.ready]
+        self._reset_step()
+
+    def _reset_step(self):
         for bucket in self.buckets:
             bucket.reset()
         self.next_bucket, self.ready = 0, set()
-        self.finalize_queued = self.expect_autograd_hooks = False
-        if missing:
-            raise RuntimeError(
-                f"parameter(s) {', '.join(missing)} got no gradient in this backward, so their "
-                "bucket never left and the other ranks would wait for it. Make every trainable "
-                "parameter take part in the loss, or freeze it; for parameters that sit out "
-                "some steps use ddplab.BucketedDDP or torch's DDP with "
-                "find_unused_parameters=True.")
+        self.expect_autograd_hooks = False
+
+    def ensure_prior_reduction_finished(self):
+        """At a forward: a backward that marked gradients ready but never finalized is an error."""
+        if not self.ready:
+            return
+        missing = [n for i, n in enumerate(self.names) if i not in self.ready]
+        self._reset_step()  # torch's reducer stays broken; the reference lets a notebook go on
+        raise RuntimeError(
+            "Expected to have finished reduction in the prior iteration: parameter(s) "
+            f"{', '.join(missing)} got no gradient in the last backward, so their bucket never "
+            "left, that backward returned without averaging, and this forward cannot start a "
+            "new step. Make every trainable parameter take part in the loss, or freeze it; "
+            "for parameters that sit out some steps use ddplab.BucketedDDP or torch's DDP "
+            "with find_unused_parameters=True.")

@@ -35,7 +35,11 @@ torch's exact rule for buffers (it skips the broadcast at a forward that
 follows a ``no_sync`` one, and broadcasts at a no_grad forward right after a
 synchronizing one; here every grad-enabled forward broadcasts, a no_grad
 forward never does); reentrant activation checkpointing (the callback is queued from
-the first hook, which may run in a nested backward). ``ddplab.OverlapDDP``
+the first hook, which may run in a nested backward); WHERE torch queues that
+callback: in ``mark_variable_ready`` once its last bucket is launched, so a
+parameter without a gradient lets torch's backward return and its next
+forward raise, where this one raises at the end of that backward
+(``bucketed.py`` does it torch's way). ``ddplab.OverlapDDP``
 (the full version) checks the launch order across ranks, queues its
 callback from the forward's outputs and records every collective.
 
