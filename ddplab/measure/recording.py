@@ -24,11 +24,20 @@ What is stamped, and from where (every stamp says its source):
   buckets are then taken from torch's logging data with their ready times,
   and their communication is marked not measured.
 
-At the end of the last step asked for (or at ``finish()``), every rank aligns
-its clock with rank 0's (``ddplab.timeline.clock``), rank 0 gathers the parts
-and writes ``out.json`` (the timeline, the parameters, torch's logging data),
-``out.trace.json`` (Perfetto / chrome://tracing) and, when given a page writer
-(``ddplab.record`` gives the labs' figures), ``out.html``.
+The recording finishes by itself at the end of the last step asked for: right
+after the optimizer step that follows that step's backward (a global
+``torch.optim`` post-step hook; DDP has waited for every bucket by then, so the
+next collective is safe on every rank), else at the next forward. Then every
+rank aligns its clock with rank 0's (``ddplab.timeline.clock``), rank 0 gathers
+the parts and writes ``out.json`` (the timeline, the parameters, torch's
+logging data), ``out.trace.json`` (Perfetto / chrome://tracing) and, when given
+a page writer (``ddplab.record`` gives the labs' figures), ``out.html``.
+A run that ends before that (a shorter loop, no ``torch.optim`` optimizer, the
+process group destroyed, an error) is never silent: at exit, rank 0 says which
+steps were recorded, that nothing was written and what to call
+(``rec.finish()`` on every rank, before ``destroy_process_group``).
+``finish()`` never waits forever for a rank that does not come: its first
+collective is a barrier with a time limit.
 
 Leaves out, compared with the profiler: kernels, memory, the optimizer step as a
 phase of its own (the recorder never sees your optimizer: the time after the
@@ -41,7 +50,11 @@ torch/distributed/algorithms/ddp_comm_hooks/default_hooks.py (allreduce_hook).
 """
 from __future__ import annotations
 
+import atexit
 import json
+import sys
+import weakref
+from datetime import timedelta
 from pathlib import Path
 
 from ddplab.timeline.clock import estimate_offsets, now
@@ -52,6 +65,34 @@ from ddplab.timeline.trace import write_chrome_trace
 NOT_MEASURED = ("a comm hook was registered before ddplab.record() was called, so the recorder "
                 "could not wrap it: per-bucket communication is not measured (call record() "
                 "before register_comm_hook, or without mixed_precision=, to measure it)")
+
+
+FINISH_TIMEOUT_S = 120.0  # finish()'s first barrier: how long a rank waits for the others
+_UNFINISHED: "weakref.WeakSet[RunRecorder]" = weakref.WeakSet()  # said at exit, on rank 0
+
+
+def _steps_text(first: int, last: int) -> str:
+    return f"step {first}" if first == last else f"steps {first}-{last}"
+
+
+@atexit.register
+def _say_unfinished() -> None:
+    """At exit: every recording not finished says so on rank 0 (never a silent run)."""
+    for rec in list(_UNFINISHED):
+        if not rec.finished and rec.rank == 0:
+            print(rec.unfinished_message(), file=sys.stderr, flush=True)
+
+
+def _machine(world: int) -> dict:
+    """Rank 0's machine while it recorded: the what-if's "loaded machine" rule reads it."""
+    import os
+
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        cores = os.cpu_count() or 1
+    return {"cores": cores, "load_1m": os.getloadavg()[0],
+            "local_ranks": int(os.environ.get("LOCAL_WORLD_SIZE", world))}
 
 
 def logged_buckets(ddp_model) -> list[int]:
@@ -98,8 +139,13 @@ class RunRecorder:
         # mixed_precision='s own
         self.comm_measured = not (ddp_model._comm_hooks or getattr(ddp_model, "mixed_precision", None)
                                   or ddp_model._get_ddp_logging_data().get("comm_hook"))
+        self._backward_done = -1  # the last iteration whose backward has completed
+        self._end_queued = -1
+        from torch.optim.optimizer import register_optimizer_step_post_hook
+
         self._handles = [ddp_model.register_forward_pre_hook(self._forward_start),
-                         ddp_model.register_forward_hook(self._forward_end)]
+                         ddp_model.register_forward_hook(self._forward_end),
+                         register_optimizer_step_post_hook(self._after_optimizer_step)]
         self._handles += [p.register_post_accumulate_grad_hook(self._grad_ready)
                           for p in self.params if p.requires_grad]
         if self.comm_measured:
@@ -107,6 +153,7 @@ class RunRecorder:
             ddp_model.register_comm_hook = self._register_user_hook  # yours, wrapped when it comes
         else:
             self.recorder.timeline.meta["comm_not_measured"] = NOT_MEASURED
+        _UNFINISHED.add(self)
 
     # -- the user's hook, when it comes after us ------------------------------------
     def _register_user_hook(self, state, hook):
@@ -148,6 +195,24 @@ class RunRecorder:
             self.grads.append(GradRecord(self.rank, self.iteration, i,
                                          param.numel() * param.element_size(), t))
             self.recorder.set_phase("backward", self._backward_t0, t, "derived")
+            if self._end_queued != self.iteration:
+                # runs once this backward is over (DDP's own wait for its buckets included,
+                # as it runs in the autograd engine's final callbacks too)
+                self._end_queued = self.iteration
+                from torch.autograd import Variable
+
+                Variable._execution_engine.queue_callback(self._backward_ended)
+
+    def _backward_ended(self):
+        self._backward_done = self.iteration
+
+    def _after_optimizer_step(self, optimizer, args, kwargs):
+        """The end of the last step asked for: its backward is over (so DDP has waited for
+        every bucket on this rank) and the optimizer has stepped. Every rank gets here at the
+        same point of its loop, so finish()'s collectives line up."""
+        last = self.steps.stop - 1
+        if not self.finished and self.iteration == last and self._backward_done == last:
+            self.finish()
 
     @staticmethod
     def _dispatch(state: "RunRecorder", bucket):
@@ -192,34 +257,93 @@ class RunRecorder:
             self.recorder.set_phase("wait", back[1], last, "derived")
 
     # -- the end ---------------------------------------------------------------------------
-    def finish(self) -> Timeline | None:
-        """Stop recording; on EVERY rank (it runs collectives). Called by itself at the
-        forward after the last step asked for; call it yourself if the loop ends sooner.
-        Returns the gathered run on rank 0 (None elsewhere) and writes the files there."""
+    def finish(self, timeout: float = FINISH_TIMEOUT_S) -> Timeline | None:
+        """Stop recording; on EVERY rank (it runs collectives), before the process group is
+        destroyed. Called by itself at the end of the last step asked for; call it yourself
+        if the loop ends sooner. Returns the gathered run on rank 0 (None elsewhere) and
+        writes the files there. A rank that does not reach it within ``timeout`` seconds
+        makes it raise (in words) instead of waiting for the group's own timeout."""
         import torch.distributed as dist
 
         if self.finished:
             return self.timeline
+        if not self._group_alive():
+            self.finished = True
+            _UNFINISHED.discard(self)
+            raise RuntimeError("ddplab.record: the process group was destroyed before finish(), "
+                               "so the ranks' parts cannot be gathered and nothing was written: "
+                               "call rec.finish() on every rank BEFORE dist.destroy_process_group()")
         self.finished = True
+        _UNFINISHED.discard(self)
         for h in self._handles:
             h.remove()
         self._close_wait()
         part = self.recorder.result()
         part.grads = self.grads
         self._fill_from_logging(part)
-        clock = estimate_offsets(group=self.group)
-        parts = [None] * self.world
-        dist.all_gather_object(parts, part.to_dict(), group=self.group)
+        try:
+            # a rank that never comes (its loop ended sooner, it skipped finish()) must not
+            # keep the others here until the group's timeout (30 min by default)
+            work = dist.barrier(group=self.group, async_op=True)
+            if work is not None:
+                work.wait(timeout=timedelta(seconds=timeout))
+            clock = estimate_offsets(group=self.group)
+            parts = [None] * self.world
+            dist.all_gather_object(parts, part.to_dict(), group=self.group)
+        except RuntimeError as e:
+            raise RuntimeError(
+                f"ddplab.record: finish() on rank {self.rank} could not gather the run ({e}); "
+                f"nothing was written. Every rank must reach finish() within {timeout:g} s: "
+                "call rec.finish() on every rank at the same point of the loop (or let it "
+                "finish by itself at the end of the last step asked for)") from e
         if self.rank != 0:
             return None
         tl = Timeline.merge([Timeline.from_dict(p) for p in parts]).shifted(clock["offsets"])
         tl.meta.update(clock_bound_s=clock["bound_s"], logged_bucket_sizes=logged_buckets(self.ddp),
+                       machine=_machine(self.world),
                        ddp_logging_data={k: v for k, v in self.ddp._get_ddp_logging_data().items()
                                          if isinstance(v, (int, float, str))})
         self.timeline = tl
         if self.out is not None:
             self.save(self.out)
         return tl
+
+    def _group_alive(self) -> bool:
+        import torch.distributed as dist
+
+        if not dist.is_initialized():
+            return False
+        try:
+            dist.get_rank(self.group)
+        except (RuntimeError, ValueError):
+            return False
+        return True
+
+    def unfinished_message(self) -> str:
+        """What rank 0 says at exit when the recording never finished (nothing written)."""
+        first, last = self.steps.start, min(self.iteration, self.steps.stop - 1)
+        asked = f"steps=range({self.steps.start}, {self.steps.stop})"
+        where = f" to {self.out}.json" if self.out is not None else ""
+        if last < first:
+            done = (f"no step was recorded: your loop ran {self.iteration + 1} forward(s) "
+                    f"(iterations 0-{self.iteration}), fewer than the first one asked for")
+        elif self.iteration >= self.steps.stop - 1:
+            done = (f"{_steps_text(first, last)} of {asked} were recorded, but no torch.optim "
+                    f"optimizer step came after step {last}'s backward and no forward after it "
+                    "(the recorder finishes at either)")
+        else:
+            done = (f"{_steps_text(first, last)} of {asked} were recorded, but the run ended "
+                    f"before the end of step {self.steps.stop - 1}, the last one asked for")
+        error = getattr(sys, "last_value", None)
+        if error is not None:
+            return (f"ddplab.record: nothing was written{where}: the run stopped with an error "
+                    f"({type(error).__name__}); {done}.")
+        how = ("call rec.finish() on every rank after your loop and BEFORE "
+               "dist.destroy_process_group() (the group was destroyed first)"
+               if not self._group_alive() else "call rec.finish() on every rank after your loop")
+        shorter = (f", or ask for steps=range({first}, {last + 1})" if last >= first else
+                   ", or ask for steps your loop runs")
+        return f"ddplab.record: nothing was written{where}: {done}. To write it, {how}{shorter}."
 
     def _fill_from_logging(self, part: Timeline) -> None:
         """Without our hook: the buckets from torch's layout, ready when their last gradient was."""
