@@ -37,7 +37,7 @@ process group destroyed, an error) is never silent: at exit, rank 0 says which
 steps were recorded, that nothing was written and what to call
 (``rec.finish()`` on every rank, before ``destroy_process_group``).
 ``finish()`` never waits forever for a rank that does not come: its first
-collective is a barrier with a time limit.
+collective is a barrier with a time limit. (The endings: ddplab.measure.recording_end.)
 
 Leaves out, compared with the profiler: kernels, memory, the optimizer step as a
 phase of its own (the recorder never sees your optimizer: the time after the
@@ -50,14 +50,12 @@ torch/distributed/algorithms/ddp_comm_hooks/default_hooks.py (allreduce_hook).
 """
 from __future__ import annotations
 
-import atexit
 import json
-import sys
-import weakref
-from datetime import timedelta
 from pathlib import Path
 
-from ddplab.timeline.clock import estimate_offsets, now
+from ddplab.measure.recording_end import (DESTROYED, FINISH_TIMEOUT_S, UNFINISHED, gather,
+                                           group_alive, machine)
+from ddplab.timeline.clock import now
 from ddplab.timeline.records import GradRecord, Timeline
 from ddplab.timeline.recorder import Recorder
 from ddplab.timeline.trace import write_chrome_trace
@@ -65,34 +63,6 @@ from ddplab.timeline.trace import write_chrome_trace
 NOT_MEASURED = ("a comm hook was registered before ddplab.record() was called, so the recorder "
                 "could not wrap it: per-bucket communication is not measured (call record() "
                 "before register_comm_hook, or without mixed_precision=, to measure it)")
-
-
-FINISH_TIMEOUT_S = 120.0  # finish()'s first barrier: how long a rank waits for the others
-_UNFINISHED: "weakref.WeakSet[RunRecorder]" = weakref.WeakSet()  # said at exit, on rank 0
-
-
-def _steps_text(first: int, last: int) -> str:
-    return f"step {first}" if first == last else f"steps {first}-{last}"
-
-
-@atexit.register
-def _say_unfinished() -> None:
-    """At exit: every recording not finished says so on rank 0 (never a silent run)."""
-    for rec in list(_UNFINISHED):
-        if not rec.finished and rec.rank == 0:
-            print(rec.unfinished_message(), file=sys.stderr, flush=True)
-
-
-def _machine(world: int) -> dict:
-    """Rank 0's machine while it recorded: the what-if's "loaded machine" rule reads it."""
-    import os
-
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except AttributeError:  # not on Linux
-        cores = os.cpu_count() or 1
-    return {"cores": cores, "load_1m": os.getloadavg()[0],
-            "local_ranks": int(os.environ.get("LOCAL_WORLD_SIZE", world))}
 
 
 def logged_buckets(ddp_model) -> list[int]:
@@ -153,7 +123,7 @@ class RunRecorder:
             ddp_model.register_comm_hook = self._register_user_hook  # yours, wrapped when it comes
         else:
             self.recorder.timeline.meta["comm_not_measured"] = NOT_MEASURED
-        _UNFINISHED.add(self)
+        UNFINISHED.add(self)
 
     # -- the user's hook, when it comes after us ------------------------------------
     def _register_user_hook(self, state, hook):
@@ -263,87 +233,32 @@ class RunRecorder:
         if the loop ends sooner. Returns the gathered run on rank 0 (None elsewhere) and
         writes the files there. A rank that does not reach it within ``timeout`` seconds
         makes it raise (in words) instead of waiting for the group's own timeout."""
-        import torch.distributed as dist
-
         if self.finished:
             return self.timeline
-        if not self._group_alive():
+        if not group_alive(self.group):
             self.finished = True
-            _UNFINISHED.discard(self)
-            raise RuntimeError("ddplab.record: the process group was destroyed before finish(), "
-                               "so the ranks' parts cannot be gathered and nothing was written: "
-                               "call rec.finish() on every rank BEFORE dist.destroy_process_group()")
+            UNFINISHED.discard(self)
+            raise RuntimeError(DESTROYED)
         self.finished = True
-        _UNFINISHED.discard(self)
+        UNFINISHED.discard(self)
         for h in self._handles:
             h.remove()
         self._close_wait()
         part = self.recorder.result()
         part.grads = self.grads
         self._fill_from_logging(part)
-        try:
-            # a rank that never comes (its loop ended sooner, it skipped finish()) must not
-            # keep the others here until the group's timeout (30 min by default)
-            work = dist.barrier(group=self.group, async_op=True)
-            if work is not None:
-                work.wait(timeout=timedelta(seconds=timeout))
-            clock = estimate_offsets(group=self.group)
-            parts = [None] * self.world
-            dist.all_gather_object(parts, part.to_dict(), group=self.group)
-        except RuntimeError as e:
-            raise RuntimeError(
-                f"ddplab.record: finish() on rank {self.rank} could not gather the run ({e}); "
-                f"nothing was written. Every rank must reach finish() within {timeout:g} s: "
-                "call rec.finish() on every rank at the same point of the loop (or let it "
-                "finish by itself at the end of the last step asked for)") from e
+        clock, parts = gather(part.to_dict(), self.group, self.rank, self.world, timeout)
         if self.rank != 0:
             return None
         tl = Timeline.merge([Timeline.from_dict(p) for p in parts]).shifted(clock["offsets"])
         tl.meta.update(clock_bound_s=clock["bound_s"], logged_bucket_sizes=logged_buckets(self.ddp),
-                       machine=_machine(self.world),
+                       machine=machine(self.world),
                        ddp_logging_data={k: v for k, v in self.ddp._get_ddp_logging_data().items()
                                          if isinstance(v, (int, float, str))})
         self.timeline = tl
         if self.out is not None:
             self.save(self.out)
         return tl
-
-    def _group_alive(self) -> bool:
-        import torch.distributed as dist
-
-        if not dist.is_initialized():
-            return False
-        try:
-            dist.get_rank(self.group)
-        except (RuntimeError, ValueError):
-            return False
-        return True
-
-    def unfinished_message(self) -> str:
-        """What rank 0 says at exit when the recording never finished (nothing written)."""
-        first, last = self.steps.start, min(self.iteration, self.steps.stop - 1)
-        asked = f"steps=range({self.steps.start}, {self.steps.stop})"
-        where = f" to {self.out}.json" if self.out is not None else ""
-        if last < first:
-            done = (f"no step was recorded: your loop ran {self.iteration + 1} forward(s) "
-                    f"(iterations 0-{self.iteration}), fewer than the first one asked for")
-        elif self.iteration >= self.steps.stop - 1:
-            done = (f"{_steps_text(first, last)} of {asked} were recorded, but no torch.optim "
-                    f"optimizer step came after step {last}'s backward and no forward after it "
-                    "(the recorder finishes at either)")
-        else:
-            done = (f"{_steps_text(first, last)} of {asked} were recorded, but the run ended "
-                    f"before the end of step {self.steps.stop - 1}, the last one asked for")
-        error = getattr(sys, "last_value", None)
-        if error is not None:
-            return (f"ddplab.record: nothing was written{where}: the run stopped with an error "
-                    f"({type(error).__name__}); {done}.")
-        how = ("call rec.finish() on every rank after your loop and BEFORE "
-               "dist.destroy_process_group() (the group was destroyed first)"
-               if not self._group_alive() else "call rec.finish() on every rank after your loop")
-        shorter = (f", or ask for steps=range({first}, {last + 1})" if last >= first else
-                   ", or ask for steps your loop runs")
-        return f"ddplab.record: nothing was written{where}: {done}. To write it, {how}{shorter}."
 
     def _fill_from_logging(self, part: Timeline) -> None:
         """Without our hook: the buckets from torch's layout, ready when their last gradient was."""
