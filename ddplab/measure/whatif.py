@@ -30,7 +30,7 @@ that draws a timeline prints its labels), with one iteration per rank.
 
 When it cannot be trusted (held to 10 % of a measured step), it says so:
 ``meta["whatif"]["trusted"]`` is False and ``["untrusted"]`` lists why, on the
-label too. The rules (``untrusted_reasons``), each about the recording:
+label too. The rules (``ddplab.measure.profile.untrusted_reasons``), each about the recording:
 - its own steps varied by more than 10 % (interquartile range over the
   median): a re-run of the same settings would differ by that much;
 - backward was slower than the communication in flight can explain (the
@@ -52,7 +52,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from ddplab.measure.profile import Profile, read_profile
+from ddplab.measure.profile import TARGET, Profile, read_profile, untrusted_reasons
 from ddplab.netsim.costmodel import fit
 from ddplab.netsim.link import LinkModel
 from ddplab.sync.layout import Caps, rebuilt_layout
@@ -152,45 +152,6 @@ def _check(world_size, straggler):
     if not ok or not 0 <= straggler[0] < world_size or not straggler[1] > 0:
         raise ValueError(f"straggler must be (rank, factor) with 0 <= rank < {world_size} and "
                          f"factor > 0 (2.0: that rank computes twice as slowly), got {straggler!r}")
-
-
-TARGET = 0.10  # the error a trusted prediction is held to (docs/benchmarks.md checks it)
-# Other work may take up to half a core from the ranks before a recording counts as loaded:
-# the load average also counts gloo's threads and short jobs (a quiet 2-core machine with
-# 2 ranks read 1.4-2.2 here)
-SLACK_CORES = 0.5
-
-
-def untrusted_reasons(recording: Timeline, prof: Profile) -> list:
-    """Why a prediction from ``recording`` cannot be held to ``TARGET`` (module docstring)."""
-    import statistics
-
-    from ddplab.timeline.metrics import iteration_metrics
-
-    why = []
-    ranks = sorted({it.rank for it in recording.iterations})
-    steps = sorted(max(iteration_metrics(recording, r, i)["step_s"] or 0.0 for r in ranks)
-                   for i in recording.iteration_numbers())
-    if len(steps) >= 4:
-        q = statistics.quantiles(steps, n=4)
-        spread = (q[2] - q[0]) / statistics.median(steps)
-        if spread > TARGET:
-            why.append(f"the recording's own steps varied by {100 * spread:.0f} % (interquartile "
-                       f"range over the median), more than the {100 * TARGET:.0f} % a prediction "
-                       "is held to")
-    if "at the model's limit" in prof.contention_note:
-        why.append("backward ran slower than the communication in flight can explain (other "
-                   "load on the machine), so its compute time is not the model's")
-    machine = recording.meta.get("machine") or {}
-    load, cores, mine = machine.get("load_1m"), machine.get("cores"), machine.get("local_ranks")
-    if None not in (load, cores, mine):
-        free = cores - max(0.0, load - mine)
-        if free < mine - SLACK_CORES:
-            why.append(f"recorded on a loaded machine: load average {load:.1f} on {cores} cores "
-                       f"with {mine} ranks of yours, about {max(free, 0):.1f} cores free for "
-                       f"{mine} ranks (compute waited for cores, by an amount that changes "
-                       "from run to run)")
-    return why
 
 
 def predict(recording: Timeline, *, bucket_cap_mb=RECORDED, link=None, world_size=None,
