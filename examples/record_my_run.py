@@ -3,7 +3,10 @@
     torchrun --standalone --nproc-per-node 2 examples/record_my_run.py --out run
     python -m ddplab view run.json
 
-Rank 0 writes run.json, run.trace.json (open it in https://ui.perfetto.dev) and run.html.
+Rank 0 writes run.json, run.trace.json (open it in https://ui.perfetto.dev) and run.html at
+the end of the last step asked for (right after its optimizer step), here the loop's last one:
+no other change to the loop. A loop that ends sooner: call rec.finish() on every rank after it,
+before destroy_process_group() (rank 0 says so at exit if you forget).
 gloo on CPU, nccl when every rank has a GPU of its own (one per process).
 """
 import argparse
@@ -31,7 +34,8 @@ def main():
                                 torch.nn.Linear(1024, 1024), torch.nn.ReLU(),
                                 torch.nn.Linear(1024, 10)).to(device)
     ddp = DDP(model, device_ids=[device.index] if gpu else None, bucket_cap_mb=args.bucket_cap_mb)
-    ddplab.record(ddp, steps=range(2, args.steps - 1), out=args.out)  # <- the added line
+    # the added line (keep rec: call rec.finish() after the loop if it ends before the last step)
+    rec = ddplab.record(ddp, steps=range(2, args.steps), out=args.out)  # noqa: F841
     opt = torch.optim.SGD(ddp.parameters(), lr=0.01)
     for _ in range(args.steps):
         x = torch.randn(64, 256, device=device)

@@ -147,3 +147,34 @@ def test_a_figure_made_on_rank_1_renders_in_jupyterlab_labelled_by_rank(browsing
         finally:
             shots = save_screenshots(page, "browser-rank-figure", ".jp-Notebook")
             shutil.copy(lab.log_path, shots[0].parent / "browser-rank-figure-jupyterlab.log")
+
+
+def test_a_saved_runs_page_in_chromium_shows_only_what_the_runs_have(tmp_path):
+    """The page `python -m ddplab view` and `ddplab.record(..., out=)` write, opened as a user
+    opens it (a file in Chromium, no kernel): the legends plotly drew have no entry without
+    bars ("saved vs manual" for runs without a manual one), the stamp sources are listed,
+    and the two runs' panels share one time axis."""
+    from _browser import chromium, require_browser
+    from test_widgets import hand_timeline
+
+    from ddplab.cli.view import runs_page
+
+    small, big = hand_timeline("ddp", buckets=3), hand_timeline("ddp", buckets=1)
+    for it in small.iterations:
+        it.sources["backward"] = "derived"
+    page_path = tmp_path / "both.view.html"
+    runs_page(page_path, {"small": small, "big": big})
+    with chromium(require_browser()) as page:
+        page.goto(page_path.as_uri())
+        page.wait_for_selector(".js-plotly-plot .legendtext", timeout=60_000)
+        legends = page.evaluate("""() => [...document.querySelectorAll('.js-plotly-plot')].map(
+            p => [...p.querySelectorAll('.legendtext')].map(t => t.textContent))""")
+        side = page.evaluate("""() => { const l = document.querySelectorAll('.js-plotly-plot')[0]._fullLayout;
+            return [l.xaxis.range, l.xaxis2.range]; }""")
+        sources = page.locator(".sources").inner_text()
+        assert page.errors == []
+    assert all("saved vs manual" not in names for names in legends), legends
+    assert "step time" in legends[1] and "exposed comm (after backward)" in legends[1]
+    assert len(legends[0]) == len(set(legends[0]))  # each kind of bar once
+    assert side[0] == side[1]  # one time scale for both runs
+    assert "Stamp sources on this page" in sources and "cpu:" in sources and "derived:" in sources

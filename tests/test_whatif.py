@@ -206,3 +206,52 @@ def test_buckets_that_name_their_parameters_are_matched_to_gradients_by_bytes():
     assert [b.params for b in tl.buckets_of(0, 0)] == [("parameter 3", "parameter 2"),
                                                          ("parameter 1", "parameter 0")]
     assert summarize(tl)["step_ms"] == pytest.approx(8.5)
+
+
+# -- when the what-if says it cannot be trusted (ddplab.measure.whatif.untrusted_reasons) -------
+
+def on_machine(tl, load, cores=2, ranks=2):
+    tl.meta["machine"] = {"cores": cores, "load_1m": load, "local_ranks": ranks}
+    return tl
+
+
+def test_a_steady_recording_on_a_machine_with_a_core_per_rank_is_trusted():
+    tl = predict(on_machine(recording(iterations=(1, 2, 3, 4, 5)), load=2.0), bucket_cap_mb=4)
+    assert tl.meta["whatif"]["trusted"] is True and tl.meta["whatif"]["untrusted"] == []
+    assert not any("NOT TRUSTED" in lab for lab in run_labels(tl))
+    # no load figure at all (a recording made by compare()): the rule cannot apply
+    assert predict(recording(iterations=(1, 2, 3, 4, 5)), bucket_cap_mb=4).meta["whatif"]["trusted"]
+
+
+def test_fewer_free_cores_than_ranks_while_recording_is_refused_with_the_figures():
+    rec = on_machine(recording(), load=3.5)  # 1.5 runnable besides our 2 ranks: 0.5 cores free
+    tl = predict(rec, bucket_cap_mb=4)
+    why = tl.meta["whatif"]["untrusted"]
+    assert tl.meta["whatif"]["trusted"] is False and len(why) == 1
+    assert "recorded on a loaded machine: load average 3.5 on 2 cores with 2 ranks of yours, " \
+           "about 0.5 cores free for 2 ranks" in why[0]
+    assert any("NOT TRUSTED to 10 %" in lab for lab in run_labels(tl))
+    picked = choose_cap(rec, caps_mb=(1, 4))
+    assert picked["trusted"] is False and picked["untrusted"] == why
+    assert all(r["trusted"] is False for r in picked["rows"])
+    assert picked["reason"].startswith("NOT TRUSTED to 10 %")
+    # the rule is "free cores < ranks - 0.5": half a core of other work is allowed
+    assert predict(on_machine(recording(), load=2.5), bucket_cap_mb=4).meta["whatif"]["trusted"]
+    assert not predict(on_machine(recording(), load=2.51), bucket_cap_mb=4).meta["whatif"]["trusted"]
+    assert predict(on_machine(recording(), load=16.4, cores=16), bucket_cap_mb=4).meta["whatif"]["trusted"]
+
+
+def test_a_recording_whose_own_steps_vary_more_than_ten_percent_is_refused():
+    rec = on_machine(recording(iterations=(1, 2, 3, 4, 5)), load=1.0)
+    for it in rec.iterations:
+        if it.iteration in (4, 5):  # two steps 3 ms longer at the end (the optimizer waited)
+            it.end += 3 * MS
+    why = predict(rec, bucket_cap_mb=4).meta["whatif"]["untrusted"]
+    assert len(why) == 1 and why[0].startswith("the recording's own steps varied by")
+    assert "more than the 10 % a prediction is held to" in why[0]
+
+
+def test_a_slowdown_the_overlap_cannot_explain_makes_the_prediction_untrusted():
+    tl = predict(recording(), baseline=baseline(backward_ms=1.0), bucket_cap_mb=4)
+    assert tl.meta["whatif"]["trusted"] is False
+    assert "other load on the machine" in tl.meta["whatif"]["untrusted"][0]

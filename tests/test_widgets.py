@@ -355,3 +355,54 @@ def test_torch_modules_import_neither_plotly_nor_ipywidgets():
         if imports(text, ("torch",)) and imports(text, ("plotly", "ipywidgets")):
             offenders.append(str(path.relative_to(ROOT)))
     assert offenders == []
+
+
+# -- a saved run's page: what it has, nothing it has not -------------------------------------
+
+def legend_names(fig):
+    return [t.name for t in fig.data if t.showlegend is not False]
+
+
+def test_a_legend_entry_with_nothing_behind_it_goes():
+    """One saved run has no manual row, so no saved_ms: no "saved vs manual" bars or legend.
+    With manual beside it, the entry comes back (the same code, so the test can fail)."""
+    tl = hand_timeline("ddp")
+    _, alone = compare_figures({"myrun": tl}, {"myrun": summarize(tl)})
+    assert "saved vs manual" not in legend_names(alone)
+    assert {"step time", "exposed comm (after backward)"} <= set(legend_names(alone))
+    tls = {"manual": hand_timeline("manual"), "myrun": tl}
+    _, both = compare_figures(tls, add_saved_ms({k: summarize(v) for k, v in tls.items()}))
+    assert "saved vs manual" in legend_names(both)
+
+
+def test_side_by_side_each_kind_of_bar_is_in_the_legend_once_even_when_only_the_second_run_has_it():
+    first, second = hand_timeline("a", buckets=0), hand_timeline("b", buckets=2)
+    side, _ = compare_figures({"a": first, "b": second}, {"a": summarize(first), "b": summarize(second)})
+    shown = legend_names(side)
+    assert len(shown) == len(set(shown))
+    assert any(is_comm(t) for t in side.data if t.showlegend is not False)  # b's all-reduces
+    assert side.layout.xaxis.matches == "x2" or side.layout.xaxis2.matches == "x"  # one time scale
+
+
+def test_the_page_states_the_stamp_sources_it_shows(tmp_path):
+    from ddplab.cli.view import load_runs, runs_page
+
+    recorded = hand_timeline("ddp")
+    for it in recorded.iterations:  # as ddplab.record stamps them
+        it.sources["backward"] = "derived"
+    on_gpu = hand_timeline("ddp")
+    for b in on_gpu.buckets:
+        b.sources = {"launch": "cpu", "comm_end": "cuda_event"}
+    runs_page(tmp_path / "one.html", {"myrun": recorded})
+    page = (tmp_path / "one.html").read_text()
+    assert "Stamp sources on this page" in page
+    assert "<code>cpu</code>" in page and "<code>derived</code>" in page
+    assert "<code>cuda_event</code>" not in page and "saved_ms is manual" not in page
+    runs_page(tmp_path / "two.html", {"myrun": recorded, "gpu": on_gpu})
+    page = (tmp_path / "two.html").read_text()
+    assert "<code>cuda_event</code>: a CUDA event recorded on the stream" in page
+    assert "saved vs manual" not in page
+    # what `python -m ddplab view` reads back from a saved file says the same
+    (tmp_path / "gpu.json").write_text(json.dumps(on_gpu.to_dict()))
+    runs_page(tmp_path / "back.html", load_runs([tmp_path / "gpu.json"]))
+    assert "<code>cuda_event</code>" in (tmp_path / "back.html").read_text()

@@ -4,7 +4,9 @@ Teaches: a recorded run is a file you keep, compare and send. Two runs of the sa
 before and after a change of ``bucket_cap_mb``) are drawn side by side on one time scale, with
 the metrics the labs use (step time, exposed communication, overlap), and each in full below.
 A run whose communication was not measured, or that was predicted rather than measured (the
-what-if), carries that label on the page.
+what-if), carries that label on the page. The page lists the stamp source labels its runs hold
+(``cpu``, ``cuda_event``, ``derived``, ...) with what each means, and its legends name only
+what is drawn (no "saved vs manual" without a manual run).
 
 Leaves out: anything the recording did not stamp (kernels, memory).
 References: ddplab.measure.recording (the files), ddplab.widgets.html (the page).

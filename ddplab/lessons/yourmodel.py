@@ -39,7 +39,7 @@ def record_on_rank(model="transformer", batch=None, loss=None, bucket_cap_mb=Non
     ddp = DDP(net, device_ids=[dev.index] if dev.type == "cuda" else None, **kwargs)
     rec = ddplab.record(ddp, steps=range(2, steps))
     opt = torch.optim.SGD(ddp.parameters(), lr=0.01)
-    for step in range(steps + 1):  # the forward after the last step ends the recording
+    for step in range(steps):  # the recording finishes by itself after the last step's opt.step()
         if batch is None:
             x, y = models.batch(model if isinstance(model, str) else "mlp", batch_size, rank, step)
         else:
@@ -50,8 +50,6 @@ def record_on_rank(model="transformer", batch=None, loss=None, bucket_cap_mb=Non
             value = loss(out, y)
         else:
             value = torch.nn.functional.cross_entropy(out.flatten(0, -2), y.flatten())
-        if step == steps:
-            break
         value.backward()
         opt.step()
         opt.zero_grad()

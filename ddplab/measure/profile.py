@@ -20,6 +20,9 @@ communication in flight (``no_sync`` steps, torch DDP's one-bucket first
 step). With neither, or when no communication overlapped backward, ``c`` is 0
 and ``contention_note`` says it was not measured.
 
+Also read from the recording: whether a prediction from it can be held to 10 %
+(``untrusted_reasons``; the rules are listed in ddplab.measure.whatif).
+
 Leaves out, compared with a profiler: where inside backward the slowdown falls
 (it is spread evenly over the in-flight time), skew between ranks' step starts,
 and mixed dtypes (a recording's gradients are re-bucketed as one dtype).
@@ -218,3 +221,40 @@ def read_profile(recording: Timeline, baseline: Timeline | None = None,
             layout = _by_bytes(first)
     return Profile(recording.world_size, profiles, c, note, _link_samples(busy), from_buckets,
                    layout, recording.meta.get("simulated_link"))
+
+
+TARGET = 0.10  # the error a trusted prediction is held to (docs/benchmarks.md checks it)
+# Other work may take up to half a core from the ranks before a recording counts as loaded:
+# the load average also counts gloo's threads and short jobs (a quiet 2-core machine with
+# 2 ranks read 1.4-2.2 here)
+SLACK_CORES = 0.5
+
+
+def untrusted_reasons(recording: Timeline, prof: Profile) -> list:
+    """Why a prediction from ``recording`` cannot be held to ``TARGET`` (module docstring)."""
+    from ddplab.timeline.metrics import iteration_metrics
+
+    why = []
+    ranks = sorted({it.rank for it in recording.iterations})
+    steps = sorted(max(iteration_metrics(recording, r, i)["step_s"] or 0.0 for r in ranks)
+                   for i in recording.iteration_numbers())
+    if len(steps) >= 4:
+        q = statistics.quantiles(steps, n=4)
+        spread = (q[2] - q[0]) / statistics.median(steps)
+        if spread > TARGET:
+            why.append(f"the recording's own steps varied by {100 * spread:.0f} % (interquartile "
+                       f"range over the median), more than the {100 * TARGET:.0f} % a prediction "
+                       "is held to")
+    if "at the model's limit" in prof.contention_note:
+        why.append("backward ran slower than the communication in flight can explain (other "
+                   "load on the machine), so its compute time is not the model's")
+    machine = recording.meta.get("machine") or {}
+    load, cores, mine = machine.get("load_1m"), machine.get("cores"), machine.get("local_ranks")
+    if None not in (load, cores, mine):
+        free = cores - max(0.0, load - mine)
+        if free < mine - SLACK_CORES:
+            why.append(f"recorded on a loaded machine: load average {load:.1f} on {cores} cores "
+                       f"with {mine} ranks of yours, about {max(free, 0):.1f} cores free for "
+                       f"{mine} ranks (compute waited for cores, by an amount that changes "
+                       "from run to run)")
+    return why

@@ -24,11 +24,20 @@ What is stamped, and from where (every stamp says its source):
   buckets are then taken from torch's logging data with their ready times,
   and their communication is marked not measured.
 
-At the end of the last step asked for (or at ``finish()``), every rank aligns
-its clock with rank 0's (``ddplab.timeline.clock``), rank 0 gathers the parts
-and writes ``out.json`` (the timeline, the parameters, torch's logging data),
-``out.trace.json`` (Perfetto / chrome://tracing) and, when given a page writer
-(``ddplab.record`` gives the labs' figures), ``out.html``.
+The recording finishes by itself at the end of the last step asked for: right
+after the optimizer step that follows that step's backward (a global
+``torch.optim`` post-step hook; DDP has waited for every bucket by then, so the
+next collective is safe on every rank), else at the next forward. Then every
+rank aligns its clock with rank 0's (``ddplab.timeline.clock``), rank 0 gathers
+the parts and writes ``out.json`` (the timeline, the parameters, torch's
+logging data), ``out.trace.json`` (Perfetto / chrome://tracing) and, when given
+a page writer (``ddplab.record`` gives the labs' figures), ``out.html``.
+A run that ends before that (a shorter loop, no ``torch.optim`` optimizer, the
+process group destroyed, an error) is never silent: at exit, rank 0 says which
+steps were recorded, that nothing was written and what to call
+(``rec.finish()`` on every rank, before ``destroy_process_group``).
+``finish()`` never waits forever for a rank that does not come: its first
+collective is a barrier with a time limit. (The endings: ddplab.measure.recording_end.)
 
 Leaves out, compared with the profiler: kernels, memory, the optimizer step as a
 phase of its own (the recorder never sees your optimizer: the time after the
@@ -44,7 +53,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from ddplab.timeline.clock import estimate_offsets, now
+from ddplab.measure.recording_end import (DESTROYED, FINISH_TIMEOUT_S, UNFINISHED, gather,
+                                           group_alive, machine)
+from ddplab.timeline.clock import now
 from ddplab.timeline.records import GradRecord, Timeline
 from ddplab.timeline.recorder import Recorder
 from ddplab.timeline.trace import write_chrome_trace
@@ -98,8 +109,13 @@ class RunRecorder:
         # mixed_precision='s own
         self.comm_measured = not (ddp_model._comm_hooks or getattr(ddp_model, "mixed_precision", None)
                                   or ddp_model._get_ddp_logging_data().get("comm_hook"))
+        self._backward_done = -1  # the last iteration whose backward has completed
+        self._end_queued = -1
+        from torch.optim.optimizer import register_optimizer_step_post_hook
+
         self._handles = [ddp_model.register_forward_pre_hook(self._forward_start),
-                         ddp_model.register_forward_hook(self._forward_end)]
+                         ddp_model.register_forward_hook(self._forward_end),
+                         register_optimizer_step_post_hook(self._after_optimizer_step)]
         self._handles += [p.register_post_accumulate_grad_hook(self._grad_ready)
                           for p in self.params if p.requires_grad]
         if self.comm_measured:
@@ -107,6 +123,7 @@ class RunRecorder:
             ddp_model.register_comm_hook = self._register_user_hook  # yours, wrapped when it comes
         else:
             self.recorder.timeline.meta["comm_not_measured"] = NOT_MEASURED
+        UNFINISHED.add(self)
 
     # -- the user's hook, when it comes after us ------------------------------------
     def _register_user_hook(self, state, hook):
@@ -148,6 +165,24 @@ class RunRecorder:
             self.grads.append(GradRecord(self.rank, self.iteration, i,
                                          param.numel() * param.element_size(), t))
             self.recorder.set_phase("backward", self._backward_t0, t, "derived")
+            if self._end_queued != self.iteration:
+                # runs once this backward is over (DDP's own wait for its buckets included,
+                # as it runs in the autograd engine's final callbacks too)
+                self._end_queued = self.iteration
+                from torch.autograd import Variable
+
+                Variable._execution_engine.queue_callback(self._backward_ended)
+
+    def _backward_ended(self):
+        self._backward_done = self.iteration
+
+    def _after_optimizer_step(self, optimizer, args, kwargs):
+        """The end of the last step asked for: its backward is over (so DDP has waited for
+        every bucket on this rank) and the optimizer has stepped. Every rank gets here at the
+        same point of its loop, so finish()'s collectives line up."""
+        last = self.steps.stop - 1
+        if not self.finished and self.iteration == last and self._backward_done == last:
+            self.finish()
 
     @staticmethod
     def _dispatch(state: "RunRecorder", bucket):
@@ -192,28 +227,32 @@ class RunRecorder:
             self.recorder.set_phase("wait", back[1], last, "derived")
 
     # -- the end ---------------------------------------------------------------------------
-    def finish(self) -> Timeline | None:
-        """Stop recording; on EVERY rank (it runs collectives). Called by itself at the
-        forward after the last step asked for; call it yourself if the loop ends sooner.
-        Returns the gathered run on rank 0 (None elsewhere) and writes the files there."""
-        import torch.distributed as dist
-
+    def finish(self, timeout: float = FINISH_TIMEOUT_S) -> Timeline | None:
+        """Stop recording; on EVERY rank (it runs collectives), before the process group is
+        destroyed. Called by itself at the end of the last step asked for; call it yourself
+        if the loop ends sooner. Returns the gathered run on rank 0 (None elsewhere) and
+        writes the files there. A rank that does not reach it within ``timeout`` seconds
+        makes it raise (in words) instead of waiting for the group's own timeout."""
         if self.finished:
             return self.timeline
+        if not group_alive(self.group):
+            self.finished = True
+            UNFINISHED.discard(self)
+            raise RuntimeError(DESTROYED)
         self.finished = True
+        UNFINISHED.discard(self)
         for h in self._handles:
             h.remove()
         self._close_wait()
         part = self.recorder.result()
         part.grads = self.grads
         self._fill_from_logging(part)
-        clock = estimate_offsets(group=self.group)
-        parts = [None] * self.world
-        dist.all_gather_object(parts, part.to_dict(), group=self.group)
+        clock, parts = gather(part.to_dict(), self.group, self.rank, self.world, timeout)
         if self.rank != 0:
             return None
         tl = Timeline.merge([Timeline.from_dict(p) for p in parts]).shifted(clock["offsets"])
         tl.meta.update(clock_bound_s=clock["bound_s"], logged_bucket_sizes=logged_buckets(self.ddp),
+                       machine=machine(self.world),
                        ddp_logging_data={k: v for k, v in self.ddp._get_ddp_logging_data().items()
                                          if isinstance(v, (int, float, str))})
         self.timeline = tl

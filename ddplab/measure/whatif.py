@@ -28,6 +28,19 @@ optimizer time) under the new settings:
 The answer is a ``Timeline`` labelled PREDICTED in its meta (every figure
 that draws a timeline prints its labels), with one iteration per rank.
 
+When it cannot be trusted (held to 10 % of a measured step), it says so:
+``meta["whatif"]["trusted"]`` is False and ``["untrusted"]`` lists why, on the
+label too. The rules (``ddplab.measure.profile.untrusted_reasons``), each about the recording:
+- its own steps varied by more than 10 % (interquartile range over the
+  median): a re-run of the same settings would differ by that much;
+- backward was slower than the communication in flight can explain (the
+  contention estimate at its limit): other load slowed it, by an amount the
+  recording cannot separate;
+- the machine was loaded while it recorded: fewer free cores (cores minus
+  the load average not due to these ranks) than ranks on it less half a
+  core (``SLACK_CORES``), so compute waited for cores by an amount that
+  changes from run to run.
+
 Leaves out, compared with torch's DDP: the first iteration's single bucket
 and the rebuild (a prediction is a steady-state step), find_unused_parameters
 layouts, several dtypes, tree or hierarchical all-reduce, several links per
@@ -39,7 +52,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from ddplab.measure.profile import Profile, read_profile
+from ddplab.measure.profile import TARGET, Profile, read_profile, untrusted_reasons
 from ddplab.netsim.costmodel import fit
 from ddplab.netsim.link import LinkModel
 from ddplab.sync.layout import Caps, rebuilt_layout
@@ -200,6 +213,10 @@ def predict(recording: Timeline, *, bucket_cap_mb=RECORDED, link=None, world_siz
              f"{link_label}, {p} rank(s); {prof.contention_note}")
     if prof.from_buckets:
         label += "; re-bucketed from whole recorded buckets (no per-parameter times)"
+    untrusted = untrusted_reasons(recording, prof)
+    changes.update(trusted=not untrusted, untrusted=untrusted)
+    if untrusted:
+        label += f"; NOT TRUSTED to {100 * TARGET:.0f} %: " + "; ".join(untrusted)
     tl.meta.update(predicted=True, whatif=changes, labels=[label], simulated_link=model.describe(),
                    contention_note=prof.contention_note, recorded_world_size=prof.world_size)
     if straggler:
@@ -239,7 +256,8 @@ def exposed_buckets(tl: Timeline) -> list:
 def choose_cap(recording: Timeline, caps_mb=(0.25, 1, 4, 16, 64), **changes) -> dict:
     """Predicted step for each cap (other changes as in ``predict``), the fastest, and why.
 
-    Returns {"rows": [...], "best": cap, "reason": text, "predictions": {cap: Timeline}}."""
+    Returns {"rows": [...], "best": cap, "reason": text, "predictions": {cap: Timeline},
+    "trusted": bool, "untrusted": [why, ...]} (``untrusted_reasons``)."""
     from ddplab.timeline.metrics import summarize
 
     rows, preds = [], {}
@@ -248,7 +266,9 @@ def choose_cap(recording: Timeline, caps_mb=(0.25, 1, 4, 16, 64), **changes) -> 
         m, exp = summarize(tl), exposed_buckets(tl)
         preds[cap] = tl
         rows.append({"bucket_cap_mb": cap, "n_buckets": m["n_buckets"], "step_ms": m["step_ms"],
-                     "exposed_comm_ms": m["exposed_comm_ms"], "exposed": exp})
+                     "exposed_comm_ms": m["exposed_comm_ms"], "exposed": exp,
+                     "trusted": tl.meta["whatif"]["trusted"],
+                     "untrusted": tl.meta["whatif"]["untrusted"]})
     best = min(rows, key=lambda r: (round(r["step_ms"], 9), r["n_buckets"]))
     reason = [f"{best['bucket_cap_mb']:g} MiB: {best['step_ms']:.2f} ms per step, "
               f"{best['exposed_comm_ms']:.2f} ms of it exposed communication"]
@@ -260,5 +280,9 @@ def choose_cap(recording: Timeline, caps_mb=(0.25, 1, 4, 16, 64), **changes) -> 
             e = max(r["exposed"], key=lambda x: x["exposed_s"])
             reason.append(f"{r['bucket_cap_mb']:g} MiB is slower ({r['step_ms']:.2f} ms): bucket "
                           f"{e['index']} exposed {1e3 * e['exposed_s']:.2f} ms, {e['why']}")
+    untrusted = best["untrusted"]
+    if untrusted:  # the same recording for every cap: the same reasons
+        reason.insert(0, f"NOT TRUSTED to {100 * TARGET:.0f} % (measure before you rely on "
+                         "it): " + "; ".join(untrusted))
     return {"rows": rows, "best": best["bucket_cap_mb"], "reason": "\n".join(reason),
-            "predictions": preds}
+            "predictions": preds, "trusted": not untrusted, "untrusted": untrusted}

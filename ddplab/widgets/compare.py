@@ -70,13 +70,15 @@ def compare_timelines_figure(timelines: dict, iterations=1, height=None) -> go.F
                                         for s in names] or ["(nothing run yet)"])
     for a in fig.layout.annotations:  # subplot titles: left-aligned, smaller
         a.update(x=0, xanchor="left", font=dict(size=12))
-    hidden, any_flagged = 0, False
+    hidden, any_flagged, in_legend = 0, False, set()
     for k, s in enumerate(names):
         tl, shown = timelines[s], shown_of[s]
         origin = origin_of(tl, shown)
-        traces, h = gantt_traces(tl, shown, origin, legend=(k == 0))
+        traces, h = gantt_traces(tl, shown, origin)
         hidden += h
-        for t in traces:
+        for t in traces:  # one legend entry per kind of bar, from the first panel that has it
+            t.showlegend = t.legendgroup not in in_legend
+            in_legend.add(t.legendgroup)
             fig.add_trace(t, row=k + 1, col=1)
         style_rows(fig, ranks_of[s], row=k + 1, col=1)
         spans = flagged_spans(tl, shown, origin)
@@ -101,13 +103,16 @@ def compare_timelines_figure(timelines: dict, iterations=1, height=None) -> go.F
 
 
 def metrics_figure(metrics: dict, labels=(), height=380) -> go.Figure:
-    """Bars per strategy: step, exposed comm, saved_ms (ms, left); MiB all-reduced (right)."""
+    """Bars per strategy: step, exposed comm, saved_ms (ms, left); MiB all-reduced (right).
+    A metric no strategy has (saved_ms when manual did not run) gets no bars and no legend."""
     names = list(metrics)
     fig = make_subplots(rows=1, cols=2, column_widths=[0.72, 0.28], horizontal_spacing=0.1,
                         subplot_titles=["time per step (ms, median of counted iterations)",
                                         "all-reduced per step (MiB)"])
     for key, label, color in METRICS:
         ys = [metrics[s].get(key) for s in names]
+        if all(v is None for v in ys):  # e.g. saved_ms without a manual run: no legend entry
+            continue
         fig.add_trace(go.Bar(
             name=label.replace("<br>", " "), x=names, y=ys, marker_color=color,
             text=["–" if v is None else f"{v:.1f}" for v in ys], textposition="outside",
