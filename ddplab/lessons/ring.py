@@ -16,10 +16,14 @@ write it). Each step posts its send and its receive together
 (``batch_isend_irecv``), then waits: NCCL asks that point-to-point calls which
 must progress at the same time be one group (its user guide, "Point-to-point
 communication"); a ring of blocking ``send`` then ``recv`` is not, and can
-deadlock at 3 or more NCCL ranks. ``watch_p2p`` observes every send and recv
+deadlock at 3 or more NCCL ranks. In plain torch only ``batch_isend_irecv``
+makes that group (it coalesces a batch for torch's own NCCL groups); an
+``isend`` or ``irecv`` called alone is an NCCL op of its own, which
+ProcessGroupNCCL started with ``device_id`` (eager init) serializes with every
+other op on the group, warning that it does. ``watch_p2p`` observes every send and recv
 through the observing group (``ddplab.cluster.observed``), however they are
 spelled, counts them, notes a wait made before the other half of the exchange
-was posted, and stops a wait that finds no partner after ``timeout`` seconds
+was posted and a send or recv issued outside ``batch_isend_irecv``, and stops a wait that finds no partner after ``timeout`` seconds
 with a message instead of hanging. ``send_waits_on_rank`` measures
 how long a blocking ``dist.send`` takes when the receiver is late: on gloo
 (CPU tensors) ``send`` returns only once the receiver has posted its
