@@ -14,12 +14,9 @@ Named mistakes: a collective used instead of send/recv; deadlock (every rank
 blocked in send); on NCCL, a send and its recv not posted as one group (a wait
 made before the other half of its exchange was posted: a ring of blocking
 send and recv, which gloo runs but NCCL can deadlock on at 3+ ranks); on NCCL, a send
-or recv called outside ``batch_isend_irecv`` (torch groups only a batch's ops for NCCL;
-an ``isend``/``irecv`` called alone is an NCCL op of its own, and with eager init
-ProcessGroupNCCL serializes it with every other op on the group and warns). Both NCCL
-rules are judged from what the observing group saw and from which torch function
-issued each op, so they are checked on CPU ranks too (``backend="nccl"``); sends and
-recvs that do not pair up; chunks that do not
+or recv called outside ``batch_isend_irecv`` (lessons/ring.py says why). Both NCCL rules
+are judged from what the observing group saw, so CPU ranks check them too
+(``backend="nccl"``); sends and recvs that do not pair up; chunks that do not
 cover the tensor or differ between sender and receiver; the all-gather phase
 missing; a result returned instead of written in place; the tensor never written;
 a buffer of another dtype; an isend/irecv never waited; an average instead of a sum; a correct result that sends more than a ring (not a ring).
@@ -67,15 +64,12 @@ EXPLAIN.update({
                "recvs can). Post both as one batch before waiting for either: "
                "dist.batch_isend_irecv with two dist.P2POp (isend right, irecv left), then wait "
                "for both works.",
-    UNBATCHED: "judged for NCCL, every send and recv of the ring must go through "
-               "dist.batch_isend_irecv. gloo takes separately called dist.isend/dist.irecv (or "
-               "send/recv) and pairs them as they come, and so does this lab's Cluster; plain "
-               "torch on NCCL does not: only batch_isend_irecv hands NCCL a send and its recv as "
-               "one group, and a lone isend or irecv is an op of its own, which ProcessGroupNCCL "
-               "started with device_id (eager init) serializes with every other op on the group, "
-               "warning that it does. Post each step as one batch: works = "
-               "dist.batch_isend_irecv([dist.P2POp(dist.isend, chunk, right), "
-               "dist.P2POp(dist.irecv, buf, left)]), then .wait() on each work.",
+    UNBATCHED: "judged for NCCL, every send and recv must go through dist.batch_isend_irecv. gloo "
+               "(and this lab's Cluster) pair separately called isend/irecv as they come; plain torch "
+               "on NCCL groups only a batch, and ProcessGroupNCCL with device_id (eager init) "
+               "serializes a lone isend or irecv with every other op, warning that it does. Post "
+               "each step as one batch: dist.batch_isend_irecv([dist.P2POp(dist.isend, chunk, "
+               "right), dist.P2POp(dist.irecv, buf, left)]), then .wait() on each work.",
     UNPAIRED: "a rank waited for a message that its neighbour never sent (or sent one nobody "
               "received). Every rank sends to (rank + 1) % p and receives from (rank - 1) % p, "
               "the same number of times.",
@@ -179,11 +173,9 @@ def check_ring_all_reduce(cluster, fn, *, lengths=(10, 1001), timeout: float = 5
     ``dist.all_reduce(tensor)``, using only send/recv (isend/irecv), and each rank sent
     about 2(p-1)/p of the tensor. Needs a Cluster of at least 3 ranks.
 
-    ``backend`` is the backend to judge for (default: the Cluster's, "nccl" on GPU
-    ranks). Under ``"nccl"`` every wait must come after both halves of its exchange were
-    posted (a send and its recv in one group), and every send and recv must come from
-    ``dist.batch_isend_irecv``: a ring of blocking sends, or of separately called
-    isend/irecv, is refused, even when the ranks run on gloo."""
+    ``backend`` is the backend to judge for (default: the Cluster's). Under ``"nccl"``
+    each wait comes after both halves of its exchange were posted, and every send and recv
+    from ``dist.batch_isend_irecv``, even when the ranks run on gloo."""
     if not callable(fn):
         raise TypeError(f"pass your ring function itself, got {type(fn).__name__}")
     if getattr(cluster, "world_size", 0) < 3:
@@ -282,15 +274,10 @@ def _diagnose_case(cases, p, backend="gloo"):
         if len(stalled) == p and all(op == "send" for op, _ in stalled.values()):
             raise CheckFailed(DEADLOCK, "stopped after the timeout: " + "; ".join(lines) + ".")
         raise CheckFailed(UNPAIRED, "stopped after the timeout: " + "; ".join(lines) + ".")
-    ungrouped = {r: c["log"]["ungrouped"] for r, c in enumerate(cases) if (c.get("log") or {}).get("ungrouped")}
-    nccl = judged_for_nccl(backend)
-    if nccl and ungrouped:
-        r = min(ungrouped)
-        raise CheckFailed(UNGROUPED, f"rank {r} {where} {ungrouped[r]}.")
-    unbatched = {r: c["log"]["unbatched"] for r, c in enumerate(cases) if (c.get("log") or {}).get("unbatched")}
-    if nccl and unbatched:
-        r = min(unbatched)
-        raise CheckFailed(UNBATCHED, f"rank {r} {where} {unbatched[r]}.")
+    for key, mistake in (("ungrouped", UNGROUPED), ("unbatched", UNBATCHED)) if judged_for_nccl(backend) else ():
+        notes = {r: c["log"][key] for r, c in enumerate(cases) if (c.get("log") or {}).get(key)}
+        if notes:  # ungrouped first: that one can deadlock
+            raise CheckFailed(mistake, f"rank {min(notes)} {where} {notes[min(notes)]}.")
     if errors:
         r = min(errors)
         raise CheckFailed(RAISED, f"rank {r} {where}: {errors[r][0]}: {errors[r][1]}\n"
