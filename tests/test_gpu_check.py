@@ -145,3 +145,12 @@ def test_the_step_time_benchmark_runs_end_to_end_on_gloo(tmp_path):
         assert set(row["ratio_to_ddp"]) == {"bucketed", "manual_flat", "manual", "overlap", "ddp", "ddp_aa"}
         assert all(v > 0 for v in row["step_ms"].values())
     assert "| model | bucketed | manual_flat | manual | overlap | ddp_aa |" in p.stdout
+
+
+def test_the_multi_gpu_run_has_its_plan_and_refuses_one_gpu_or_none():
+    p = run("tools/gpu_check_multi.py", "--dry-run")
+    assert p.returncode == 0, p.stderr
+    for step in ("gpu tests", "labs ws2", "transfers", "overlap", "straggler", "record", "ring"):
+        assert f"  {step} " in p.stdout
+    p = run("tools/gpu_check_multi.py", "--python", sys.executable)
+    assert p.returncode == 2 and "needs 2 or more GPUs" in p.stderr and "sees 0" in p.stderr
