@@ -4,7 +4,7 @@
     python benchmarks/gpu_step_time.py --json out.json
     python benchmarks/gpu_step_time.py --device cpu --small   # the same code on gloo (tests)
 
-Two models, the ones of the GPU run in docs/benchmarks.md: a transformer of
+Two models, those of the first GPU run (docs/gpu-check.md): a transformer of
 12 ``nn.TransformerEncoderLayer`` (d_model 1024, feed-forward 4096): 151M
 parameters in 144 tensors; and an MLP of 200 ``Linear(512, 512)``: 53M
 parameters in 400 tensors (many small tensors: the per-tensor host cost).
