@@ -154,3 +154,37 @@ def test_the_multi_gpu_run_has_its_plan_and_refuses_one_gpu_or_none():
         assert f"  {step} " in p.stdout
     p = run("tools/gpu_check_multi.py", "--python", sys.executable)
     assert p.returncode == 2 and "needs 2 or more GPUs" in p.stderr and "sees 0" in p.stderr
+
+
+def _gone(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0]
+    except FileNotFoundError:
+        return True
+    return state in ("Z", "X")  # dead, waiting for init to reap it
+
+
+def test_a_step_past_its_limit_is_ended_with_everything_it_started(tmp_path):
+    import time
+
+    runner = G.Runner(sys.executable, tmp_path, tmp_path, budget_s=60)
+    spawn = ("import subprocess, sys, time; c = subprocess.Popen([sys.executable, '-c', "
+             "'import time; time.sleep(120)']); print('child', c.pid, flush=True); time.sleep(120)")
+    t0 = time.monotonic()
+    rc, text = runner.sh([sys.executable, "-c", spawn], limit=3)
+    assert rc is None and time.monotonic() - t0 < 20
+    child = int(text.split("child")[1].split()[0])
+    deadline = time.monotonic() + 5
+    while not _gone(child) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert _gone(child)  # the grandchild did not outlive its step
+    assert runner.step(G.Step("ok", 10, "a step that passes"), lambda limit: (True, f"limit {limit:.0f}"))
+    assert not runner.step(G.Step("raises", 10, "a step that raises"), lambda limit: 1 / 0)
+    runner.deadline = time.monotonic()  # the budget is spent: the next step is skipped, saying so
+    assert not runner.step(G.Step("late", 10, "too late"), lambda limit: (True, ""))
+    rows = {name: (result, figure) for name, result, _, figure in runner.rows}
+    assert rows == {"ok": ("ok", "limit 10"), "raises": ("FAIL", "ZeroDivisionError: division by zero"),
+                    "late": ("SKIP", "the 8-minute budget is spent")}
+    log = (tmp_path / "gpu-check.log").read_text()
+    assert "(limit 3 s)" in log and "-> FAIL" in log
+    assert runner.table().splitlines()[0] == "| step | result | seconds | figure |"

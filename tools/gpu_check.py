@@ -45,6 +45,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -154,16 +155,20 @@ class Runner:
         """Run ``cmd`` in the repository; (exit status or None when it ran past ``limit``, output)."""
         self.note(f"$ {' '.join(map(str, cmd))}   (limit {limit:.0f} s)")
         full = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+        # a session of its own, so that a step is ended with everything it started (ranks, torchrun's
+        # workers): at its limit, and after it returns (nothing of it may hold the GPU for the next)
+        p = subprocess.Popen(cmd, cwd=ROOT, env=full, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                             text=True, start_new_session=True)
         try:
-            # a session of its own: a step that runs past its limit is ended with everything it started
-            p = subprocess.run(cmd, cwd=ROOT, env=full, capture_output=True, text=True, timeout=limit,
-                               start_new_session=True)
-            text, rc = p.stdout + p.stderr, p.returncode
-        except subprocess.TimeoutExpired as e:
-            text = (e.stdout or b"").decode(errors="replace") if isinstance(e.stdout, bytes) else (e.stdout or "")
+            text, _ = p.communicate(timeout=limit)
+            rc = p.returncode
+        except subprocess.TimeoutExpired:
+            _kill_session(p.pid)
+            text, _ = p.communicate()
             rc = None
-        self.note(text)
-        return rc, text
+        _kill_session(p.pid)
+        self.note(text or "")
+        return rc, text or ""
 
     def step(self, step: Step, fn) -> bool:
         left = self.deadline - time.monotonic()
@@ -186,6 +191,14 @@ class Runner:
         lines = ["| step | result | seconds | figure |", "|---|---|---|---|"]
         lines += [f"| {n} | {r} | {s:.1f} | {f} |" for n, r, s, f in self.rows]
         return "\n".join(lines)
+
+
+def _kill_session(pid: int) -> None:
+    """End what is left of the process session a step started (its leader had pid ``pid``)."""
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass  # nothing left
 
 
 def install(runner: Runner, wheels: Path, limit: float) -> tuple[bool, str]:
@@ -249,6 +262,8 @@ def main(argv=None) -> int:
         shutil.rmtree(work, ignore_errors=True)
     text = runner.table()
     print(text)
+    if runner.log:
+        runner.log.close()
     if out:
         (out / "gpu-check.txt").write_text(text + "\n")
     return 0 if all(r[1] == "ok" for r in runner.rows) else 1

@@ -47,9 +47,9 @@ with ddplab.Cluster(1, backend="nccl", timeout=LIMIT) as cluster:
         out["mistake"] = f"raw {type(exc).__name__}: {str(exc)[:200]}"
     out["named_after_s"] = round(time.monotonic() - t0, 1)
     out["hung"] = out["mistake"] == HUNG
-    before = cluster.run(os.getpid)
-    time.sleep(AFTER)  # NCCL's watchdog aborts a rank about a minute after a timeout it saw
-    try:
+    try:  # the ranks as the Cluster keeps them after the hang (it may have replaced them)
+        before = cluster.run_job(os.getpid, job_timeout=60)
+        time.sleep(AFTER)  # NCCL's watchdog aborts a rank about a minute after a timeout it saw
         after = cluster.run_job(os.getpid, job_timeout=30)
         out["same_ranks"] = after == before
     except Exception as exc:
