@@ -41,7 +41,6 @@ docs/gpu-check.md.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import re
 import shutil

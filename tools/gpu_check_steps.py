@@ -84,7 +84,7 @@ def steps(runner, args, out: Path | None, work: Path):
 
     def compare(limit):
         json_path, trace = work / "compare.json", work / "compare.trace.json"
-        rc, text = runner.sh([py(), "-m", "ddplab", "compare", "--world-size", "1", "--backend", "nccl",
+        rc, _ = runner.sh([py(), "-m", "ddplab", "compare", "--world-size", "1", "--backend", "nccl",
                               "--strategies", "manual,bucketed,overlap,ddp", "--steps", "5",
                               "--json", str(json_path), "--trace", str(trace),
                               "--html", str(work / "compare.html")], limit)
@@ -97,7 +97,7 @@ def steps(runner, args, out: Path | None, work: Path):
         return ok and "nccl" in str(backend), f"{backend}: {figure}"
 
     def record(limit):
-        rc, text = runner.sh([py(), "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1",
+        rc, _ = runner.sh([py(), "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1",
                               "examples/record_my_run.py", "--out", str(work / "run")], limit)
         run = work / "run.json"
         if rc != 0 or not run.exists():
@@ -127,7 +127,7 @@ def steps(runner, args, out: Path | None, work: Path):
 
     def bench(limit):
         path = work / "bench.json"
-        rc, text = runner.sh([py(), "benchmarks/gpu_step_time.py", "--json", str(path)], limit)
+        rc, _ = runner.sh([py(), "benchmarks/gpu_step_time.py", "--json", str(path)], limit)
         if rc != 0 or not path.exists():
             return False, f"exited {rc}"
         if out:
