@@ -206,6 +206,19 @@ def install(runner: Runner, wheels: Path, limit: float) -> tuple[bool, str]:
         if rc != 0:
             return False, "could not make .venv-gpu"
     py = str(GPU_VENV / "bin" / "python")
+    if sys.prefix != sys.base_prefix:
+        # python3 is itself a venv (the GPU image's torch lives in one): --system-site-packages
+        # would see the base interpreter's packages, not this venv's torch. A .pth file puts this
+        # interpreter's site-packages after .venv-gpu's own, so torch is found and pip counts it.
+        rc, own = runner.sh([py, "-c", "import site; print(site.getsitepackages()[0])"], 10)
+        if rc != 0:
+            return False, "could not read .venv-gpu's site-packages"
+        import site
+
+        Path(own.strip().splitlines()[-1], "ddplab-parent-env.pth").write_text("\n".join(site.getsitepackages()) + "\n")
+    rc, text = runner.sh([py, "-c", "import torch; assert torch.cuda.is_available(); print(torch.__version__)"], 30)
+    if rc != 0:
+        return False, ".venv-gpu does not see the machine's CUDA torch (see the log)"
     rc, text = runner.sh([py, "-m", "pip", "install", "-q", "--no-index", "--find-links", str(wheels),
                           "--no-build-isolation", "-e", ".[gpu]"], limit)
     if rc != 0:
