@@ -104,10 +104,9 @@ test-graders: $(STAMP)
 # world size the GPUs allow (DDPLAB_WORLD_SIZE; cells that need 2 ranks skip saying so).
 GPU_VENV ?= .venv-gpu
 GPU_PY   := $(GPU_VENV)/bin/python
+# .venv-gpu over the machine's CUDA torch (also where python3 is itself a venv), [gpu] extra installed:
 test-gpu:
-	test -x $(GPU_PY) || $(PYTHON) -m venv --system-site-packages $(GPU_VENV)
-	$(GPU_PY) -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 'make test-gpu needs a CUDA build of torch and a GPU; this torch is ' + torch.__version__)"
-	$(GPU_PY) -m pip install --quiet --no-build-isolation $(if $(WHEELS),--no-index --find-links $(WHEELS)) -e '.[gpu]'
+	$(PYTHON) tools/gpu_check.py --install-only $(if $(WHEELS),--wheels $(WHEELS))
 	$(GPU_PY) -m ddplab doctor --world-size 1 --world-size 2
 	DDPLAB_REQUIRE_DEVICE_GRADS=1 $(GPU_PY) -m pytest -q -rs -m gpu tests
 	DDPLAB_REQUIRE_DEVICE_GRADS=1 DDPLAB_WORLD_SIZE=$$($(GPU_PY) -c "import torch; print(min(2, torch.cuda.device_count()))") \

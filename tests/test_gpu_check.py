@@ -42,10 +42,16 @@ def test_the_dry_run_lists_every_step_within_eight_minutes():
 
 
 def test_without_cuda_it_refuses_at_once_saying_why(tmp_path):
+    import time
+
+    p_started = time.time()
     p = run("tools/gpu_check.py", "--wheels", str(tmp_path), "--out", str(tmp_path / "out"))
     assert p.returncode == 2
     assert "needs a CUDA build of torch and a GPU" in p.stderr and "+cpu" in p.stderr
     assert not (tmp_path / "out").exists()  # nothing ran
+    p = run("tools/gpu_check.py", "--install-only")  # make test-gpu's first line
+    assert p.returncode == 2 and "needs a CUDA build of torch and a GPU" in p.stderr
+    assert not (ROOT / ".venv-gpu").exists() or (ROOT / ".venv-gpu").stat().st_mtime < p_started
 
 
 def test_the_wheel_list_is_pyprojects_dependencies_and_gpu_extra():

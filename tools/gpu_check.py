@@ -200,7 +200,9 @@ def _kill_session(pid: int) -> None:
         pass  # nothing left
 
 
-def install(runner: Runner, wheels: Path, limit: float) -> tuple[bool, str]:
+def install(runner: Runner, wheels: Path | None, limit: float) -> tuple[bool, str]:
+    """Make .venv-gpu over this interpreter's CUDA torch and install ``.[gpu]`` into it, from
+    the folder ``wheels`` only (None: from the package index, for ``make test-gpu``)."""
     if not GPU_VENV.joinpath("bin", "python").exists():
         rc, _ = runner.sh([sys.executable, "-m", "venv", "--system-site-packages", str(GPU_VENV)], limit)
         if rc != 0:
@@ -219,13 +221,14 @@ def install(runner: Runner, wheels: Path, limit: float) -> tuple[bool, str]:
     rc, text = runner.sh([py, "-c", "import torch; assert torch.cuda.is_available(); print(torch.__version__)"], 30)
     if rc != 0:
         return False, ".venv-gpu does not see the machine's CUDA torch (see the log)"
-    rc, text = runner.sh([py, "-m", "pip", "install", "-q", "--no-index", "--find-links", str(wheels),
+    source = ["--no-index", "--find-links", str(wheels)] if wheels else []
+    rc, text = runner.sh([py, "-m", "pip", "install", "-q", *source,
                           "--no-build-isolation", "-e", ".[gpu]"], limit)
     if rc != 0:
         missing = re.findall(r"No matching distribution found for (\S+)", text)
         return False, f"pip failed{': missing ' + ', '.join(missing) if missing else ''} (see the log)"
     runner.python = py
-    return True, f"from {wheels}"
+    return True, f"from {wheels or 'the package index'}"
 
 
 def main(argv=None) -> int:
@@ -237,6 +240,9 @@ def main(argv=None) -> int:
     ap.add_argument("--after-hang-s", type=float, default=65.0,
                     help="how long the hang step waits before checking that no rank was killed")
     ap.add_argument("--dry-run", action="store_true", help="print the plan and exit")
+    ap.add_argument("--install-only", action="store_true",
+                    help="make .venv-gpu and install into it (from --wheels, else the index), then exit "
+                         "(make test-gpu)")
     ap.add_argument("--requirements", action="store_true", help="print the packages the wheel folder needs")
     args = ap.parse_args(argv)
     if args.requirements:
@@ -258,6 +264,13 @@ def main(argv=None) -> int:
               f"{cuda.stdout.strip() or '(none: ' + cuda.stderr.strip()[-200:] + ')'} and sees no GPU. "
               "Run it on the GPU machine (make gpu-check WHEELS=DIR).", file=sys.stderr)
         return 2
+    if args.install_only:
+        runner = Runner(python, None, Path(tempfile.gettempdir()), args.budget)
+        runner.log = sys.stdout  # make test-gpu shows what pip said
+        ok = runner.step(PLAN[0], lambda limit: install(runner, Path(args.wheels) if args.wheels else None,
+                                                        max(limit, 600.0)))
+        print(runner.table())
+        return 0 if ok else 1
     if not args.python and not args.wheels:
         print("gpu-check installs from a folder of wheels only: pass --wheels DIR (make gpu-check "
               "WHEELS=DIR); tools/gpu_check.py --requirements lists what it must hold; or --python PY "
