@@ -72,11 +72,11 @@ PLAN = [
     Step("install", 40, "venv over the system's torch; pip --no-index --find-links WHEELS -e .[gpu]"),
     Step("doctor", 20, "python -m ddplab doctor --world-size 1"),
     Step("gpu tests", 90, "DDPLAB_REQUIRE_DEVICE_GRADS=1 pytest -m gpu tests"),
-    Step("labs ws1", 140, "DDPLAB_WORLD_SIZE=1 pytest --nbval-lax labs/*.ipynb"),
+    Step("labs ws1", 125, "DDPLAB_WORLD_SIZE=1 pytest --nbval-lax labs/*.ipynb"),
     Step("compare", 25, "python -m ddplab compare --world-size 1 --backend nccl; device-timed transfers > 0"),
     Step("record", 25, "torchrun examples/record_my_run.py; each bucket's device time > 0, ends after ready"),
     Step("view", 10, "python -m ddplab view run.json --html"),
-    Step("hang", 85, "a planted CUDA hang named HUNG within its limit; no rank killed afterwards"),
+    Step("hang", 100, "a planted CUDA hang named HUNG within its limit; no rank killed afterwards"),
     Step("bench", 45, "benchmarks/gpu_step_time.py: ratios to torch DDP, medians"),
 ]
 
