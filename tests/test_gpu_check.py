@@ -41,6 +41,7 @@ def test_the_dry_run_lists_every_step_within_eight_minutes():
     assert names == [s.name for s in G.PLAN[1:]]
 
 
+@pytest.mark.slow  # subprocesses importing torch, or a 3 s limit run out
 def test_without_cuda_it_refuses_at_once_saying_why(tmp_path):
     import time
 
@@ -153,6 +154,7 @@ def test_the_step_time_benchmark_runs_end_to_end_on_gloo(tmp_path):
     assert "| model | bucketed | manual_flat | manual | overlap | ddp_aa |" in p.stdout
 
 
+@pytest.mark.slow  # subprocesses importing torch, or a 3 s limit run out
 def test_the_multi_gpu_run_has_its_plan_and_refuses_one_gpu_or_none():
     p = run("tools/gpu_check_multi.py", "--dry-run")
     assert p.returncode == 0, p.stderr
@@ -170,6 +172,7 @@ def _gone(pid: int) -> bool:
     return state in ("Z", "X")  # dead, waiting for init to reap it
 
 
+@pytest.mark.slow  # subprocesses importing torch, or a 3 s limit run out
 def test_a_step_past_its_limit_is_ended_with_everything_it_started(tmp_path):
     import time
 
