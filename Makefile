@@ -9,7 +9,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.ddplab-installed
 
 .PHONY: lab test test-fast test-unit test-labs test-browser check test-unit-more test-labs-more test-labs-ws1 \
-	test-hub test-gpu test-graders handouts exercises bench clean test-slurm
+	test-hub test-gpu gpu-check test-graders handouts exercises bench clean test-slurm
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -112,14 +112,20 @@ test-graders: $(STAMP)
 # world size the GPUs allow (DDPLAB_WORLD_SIZE; cells that need 2 ranks skip saying so).
 GPU_VENV ?= .venv-gpu
 GPU_PY   := $(GPU_VENV)/bin/python
+# .venv-gpu over the machine's CUDA torch (also where python3 is itself a venv), [gpu] extra installed:
 test-gpu:
-	test -x $(GPU_PY) || $(PYTHON) -m venv --system-site-packages $(GPU_VENV)
-	$(GPU_PY) -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 'make test-gpu needs a CUDA build of torch and a GPU; this torch is ' + torch.__version__)"
-	$(GPU_PY) -m pip install --quiet --no-build-isolation $(if $(WHEELS),--no-index --find-links $(WHEELS)) -e '.[test]'
+	$(PYTHON) tools/gpu_check.py --install-only $(if $(WHEELS),--wheels $(WHEELS))
 	$(GPU_PY) -m ddplab doctor --world-size 1 --world-size 2
 	DDPLAB_REQUIRE_DEVICE_GRADS=1 $(GPU_PY) -m pytest -q -rs -m gpu tests
 	DDPLAB_REQUIRE_DEVICE_GRADS=1 DDPLAB_WORLD_SIZE=$$($(GPU_PY) -c "import torch; print(min(2, torch.cuda.device_count()))") \
 	  $(GPU_PY) -m pytest -q --nbval-lax --nbval-current-env -p no:cacheprovider --ignore=labs/exercises labs
+
+# On a machine with one GPU and no package registry: the one prepared run (<= 8 min, one step at
+# a time): doctor, the GPU tests, every lab at world size 1 over NCCL, compare/record/view on NCCL,
+# a planted CUDA hang, the step-time benchmark; one table, logs under $$OUT when set.
+# make gpu-check WHEELS=dir (tools/gpu_check.py --requirements lists what dir must hold).
+gpu-check:
+	$(PYTHON) tools/gpu_check.py $(if $(WHEELS),--wheels $(WHEELS))
 
 # Every solution notebook executed on live ranks and saved as static HTML with its figures
 # (build/handouts/, not committed): for slides, and for learners who cannot run the lab.

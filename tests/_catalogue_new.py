@@ -109,6 +109,57 @@ WARM_UP = {
 }
 
 
+# -- lab 00: warm-up judged for NCCL (backend="nccl", as the lab asks): only a batched pair --------
+def pass_ok_batched(t):
+    rank, p = dist.get_rank(), dist.get_world_size()
+    buf = torch.empty_like(t)
+    for work in dist.batch_isend_irecv([dist.P2POp(dist.isend, t, (rank + 1) % p),
+                                        dist.P2POp(dist.irecv, buf, (rank - 1) % p)]):
+        work.wait()
+    return buf
+
+
+def pass_ok_batched_imported_recv_first(t):
+    from torch.distributed import P2POp, batch_isend_irecv, irecv, isend
+
+    rank, p = dist.get_rank(), dist.get_world_size()
+    buf = t.new_zeros(t.shape)
+    reqs = batch_isend_irecv([P2POp(irecv, buf, (rank - 1) % p), P2POp(isend, t.clone(), (rank + 1) % p)])
+    [r.wait() for r in reqs]
+    return buf
+
+
+def pass_ok_batched_with_group(t):
+    from torch.distributed import distributed_c10d as c10d
+
+    group = c10d._get_default_group()
+    rank, p = dist.get_rank(group), dist.get_world_size(group)
+    incoming = torch.empty(t.numel(), dtype=t.dtype, device=t.device)
+    works = dist.batch_isend_irecv([dist.P2POp(dist.irecv, incoming, (rank - 1) % p, group),
+                                    dist.P2POp(dist.isend, t.contiguous(), (rank + 1) % p, group)])
+    for w in works:
+        w.wait()
+    return incoming.view_as(t)
+
+
+def pass_batched_never_waited(t):
+    rank, p = dist.get_rank(), dist.get_world_size()
+    buf = torch.empty_like(t)
+    dist.batch_isend_irecv([dist.P2POp(dist.isend, t, (rank + 1) % p),
+                            dist.P2POp(dist.irecv, buf, (rank - 1) % p)])
+    return buf
+
+
+WARM_UP_NCCL = {
+    "check": lambda cluster, fn: W.check_pass_right(cluster, fn, backend="nccl"), "world": 3,
+    "correct": [pass_ok_batched, pass_ok_batched_imported_recv_first, pass_ok_batched_with_group],
+    "wrong": [(pass_ok_both_async, RC.UNBATCHED), (pass_ok_clone, RC.UNBATCHED),
+              (pass_ok_rank0_receives_first, RC.UNGROUPED), (pass_batched_never_waited, RC.MISSING_WAIT),
+              (pass_returns_own, RC.UNBATCHED), (pass_all_gather, RC.COLLECTIVE),
+              (pass_everyone_recv_first, RC.UNPAIRED), (pass_isend_never_waited, RC.MISSING_WAIT)],
+}
+
+
 # -- lab 09: bucket assignment, correct --------------------------------------------------------------
 def _limits(cap):
     mib = 2 ** 20

@@ -287,15 +287,37 @@ RING = {
               (ring_p2pop_both_right, None)],
 }
 
-# Lab 00's check judges as NCCL needs (backend="nccl"): the grouped rings pass, and rings that
-# wait for one half of an exchange before posting the other are refused, even on gloo ranks.
+# Lab 00's check judges as NCCL needs (backend="nccl"): only the batched rings pass. Rings that
+# wait for one half of an exchange before posting the other are refused (UNGROUPED), and so are
+# rings whose sends and recvs were called outside batch_isend_irecv, however they were ordered
+# (UNBATCHED: plain torch groups only a batch's ops for NCCL), even on gloo ranks.
+def ring_isend_irecv_by_parity(t):  # unbatched, both posted first; odd ranks post the recv first
+    rank, p = dist.get_rank(), dist.get_world_size()
+    chunks = torch.tensor_split(t, p)
+    for phase in (0, 1):
+        for s in range(p - 1):
+            out, into = chunks[(rank - s + phase) % p], chunks[(rank - s - 1 + phase) % p]
+            buf = torch.empty_like(into)
+            if rank % 2:
+                works = [dist.irecv(buf, (rank - 1) % p), dist.isend(out.contiguous(), (rank + 1) % p)]
+            else:
+                works = [dist.isend(out.contiguous(), (rank + 1) % p), dist.irecv(buf, (rank - 1) % p)]
+            for w in works:
+                w.wait()
+            into.copy_(buf) if phase else into.add_(buf)
+
+
+# judged for NCCL, the first mistake a wrong gloo ring shows may be its unbatched calls
+_FIRST_FOR_NCCL = {ring_never_written: RC.UNBATCHED, ring_float64_buffers: RC.UNBATCHED}  # float64 runs first
 RING_NCCL = {
     "check": lambda cluster, fn: RC.check_ring_all_reduce(cluster, fn, backend="nccl"),
     "world": 3,
-    "correct": [ring_ok_p2pop_batch, ring_ok_p2pop_imported, ring_ok_p2pop_with_group,
-                ring_ok_isend_irecv_imported, ring_ok_isend, ring_ok_irecv_isend_lists],
+    "correct": [ring_ok_p2pop_batch, ring_ok_p2pop_imported, ring_ok_p2pop_with_group],
     "wrong": [(ring_blocking_even_odd, RC.UNGROUPED), (ring_ok_dtype_from_tensor, RC.UNGROUPED),
-              (ring_isend_waited_before_recv, RC.UNGROUPED)] + RING["wrong"],
+              (ring_isend_waited_before_recv, RC.UNGROUPED),
+              (ring_ok_isend_irecv_imported, RC.UNBATCHED), (ring_ok_isend, RC.UNBATCHED),
+              (ring_ok_irecv_isend_lists, RC.UNBATCHED), (ring_isend_irecv_by_parity, RC.UNBATCHED)]
+             + [(fn, _FIRST_FOR_NCCL.get(fn, named)) for fn, named in RING["wrong"]],
 }
 
 

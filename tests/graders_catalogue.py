@@ -35,6 +35,7 @@ for _m in (NEW, P2P, SMALL, SYNC, YOURS, _exercise_solutions):
 # exercise -> {"check": f(cluster, solution), "world": ranks, "correct": [...], "wrong": [(fn, mistake)]}
 CATALOGUE = {
     "00 send/recv warm-up": NEW.WARM_UP,
+    "00 warm-up judged for NCCL": NEW.WARM_UP_NCCL,
     "00 ring all-reduce": P2P.RING,
     "00 ring judged for NCCL": P2P.RING_NCCL,
     "02 average_gradients": SYNC.AVERAGE,

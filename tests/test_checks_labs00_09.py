@@ -197,6 +197,34 @@ def test_warm_up_passes_written_three_ways(three):
         check_pass_right(three, fn)
 
 
+def pass_batched(t):
+    rank, p = dist.get_rank(), dist.get_world_size()
+    buf = torch.empty_like(t)
+    for work in dist.batch_isend_irecv([dist.P2POp(dist.isend, t, (rank + 1) % p),
+                                        dist.P2POp(dist.irecv, buf, (rank - 1) % p)]):
+        work.wait()
+    return buf
+
+
+def test_warm_up_judged_for_nccl_takes_only_the_batched_pair(three):
+    # lab 00 judges the warm-up as plain torch on NCCL needs it, on these gloo ranks too
+    check_pass_right(three, pass_batched, backend="nccl")
+    check_pass_right(three, pass_isend_first)  # gloo pairs the ops as they come
+    for fn, mistake, note in [
+            (pass_isend_first, W.UNBATCHED, "rank 0 called dist.isend to rank 1 outside dist.batch_isend_irecv"),
+            (pass_even_odd, W.UNGROUPED, "rank 0 waited for its send to rank 1 before posting its recv")]:
+        with pytest.raises(CheckFailed) as err:
+            check_pass_right(three, fn, backend="nccl")
+        assert err.value.mistake == mistake
+        assert note in str(err.value)
+    # the rule needs only the backend's name: the same reports, judged for gloo, name another slip
+    reports = [{"rank": r, "p": 3, "got": None, "log": {"unbatched": "called dist.isend"}} for r in range(3)]
+    for backend, mistake in (("cpu:gloo,cuda:nccl", W.UNBATCHED), ("gloo", W.NOTHING_RETURNED)):
+        with pytest.raises(CheckFailed) as err:
+            W.diagnose(reports, 7, backend)
+        assert err.value.mistake == mistake
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("fn,mistake", [(everyone_sends_first, W.DEADLOCK),
                                         (from_the_right, W.FROM_THE_RIGHT),

@@ -25,7 +25,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.hub, pytest.mark.skipif(
 # lab -> [(line of a solution, what replaces it, the words its grader must say), ...], one per grader
 SLIPS = {
     "00-first-process-group": [
-        ("    req.wait()\n    return buf", "    req.wait()\n    return t", firstgroup.WRONG_VALUES),
+        ("        work.wait()\n    return buf", "        work.wait()\n    return t", firstgroup.WRONG_VALUES),
         ("    chunks = torch.tensor_split(t, p)", "    dist.all_reduce(t)\n    return\n    chunks = torch.tensor_split(t, p)",
          ring.COLLECTIVE)],
     "01-when-is-the-sync": [

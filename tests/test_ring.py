@@ -293,3 +293,71 @@ def test_two_nodes_with_torchrun_on_this_machine():
         assert v["sum_of_ranks"] == "6"
     assert len({v["TORCHELASTIC_RUN_ID"] for v in seen.values()}) == 1
     assert all("--nnodes=2" in c and "--rdzv-backend=c10d" in c for c in out["commands"])
+
+
+# -- judged for NCCL: only batch_isend_irecv groups a send with its recv -------------------------
+def ring_isend_irecv_unbatched(t):
+    # both posted before either wait: right on gloo (and in a ddplab Cluster), but each op is
+    # called alone, which plain torch on NCCL does not group
+    rank, p = dist.get_rank(), dist.get_world_size()
+    chunks = torch.tensor_split(t, p)
+    for phase in (0, 1):
+        for s in range(p - 1):
+            out, into = chunks[(rank - s + phase) % p], chunks[(rank - s - 1 + phase) % p]
+            buf = torch.empty_like(into)
+            works = [dist.isend(out.contiguous(), (rank + 1) % p), dist.irecv(buf, (rank - 1) % p)]
+            for w in works:
+                w.wait()
+            into.copy_(buf) if phase else into.add_(buf)
+
+
+def _case(unbatched=None, ungrouped=None, n=10):
+    """One rank's report of a ring that summed right (three ranks holding 1, 2, 3)."""
+    ref = torch.full((n,), 6.0)
+    log = {"sent": [(1, 4, 32)], "received": [(2, 4, 32)], "collectives": [], "bytes_sent": 32,
+           "unfinished": 0, "ungrouped": ungrouped, "unbatched": unbatched, "bytes_received": 32}
+    return {"n": n, "ref": ref, "p": 3, "element_size": 8, "dtype": "float64",
+            "in": torch.ones(n), "out": ref.clone(), "ret": None, "log": log}
+
+
+def test_the_nccl_rules_are_judged_from_the_backend_name_alone():
+    # what the ranks reported is the same; only the backend judged for differs (no GPU needed)
+    note = "called dist.isend to rank 1 outside dist.batch_isend_irecv"
+    per_rank = [[_case(unbatched=note)] for _ in range(3)]
+    assert "passed on 3 ranks" in R.diagnose(per_rank, "gloo")
+    for name in ("nccl", "cpu:gloo,cuda:nccl", "ddplab_nccl"):
+        with pytest.raises(checks.CheckFailed) as info:
+            R.diagnose(per_rank, name)
+        assert info.value.mistake == R.UNBATCHED
+        assert f"rank 0 (length 10, float64, on 3 ranks) {note}" in str(info.value)
+    # a wait before the other half was posted is named first: that one can deadlock
+    first = [[_case(unbatched=note, ungrouped="waited for its send to rank 1 before posting its recv")]]
+    with pytest.raises(checks.CheckFailed) as info:
+        R.diagnose(first * 3, "nccl")
+    assert info.value.mistake == R.UNGROUPED
+    assert "passed" in R.diagnose([[_case()] for _ in range(3)], "nccl")
+
+
+def test_unbatched_isend_irecv_passes_on_gloo_and_is_refused_for_nccl_in_words(cluster):
+    per_rank = checks.check_ring_all_reduce(cluster, ring_isend_irecv_unbatched, timeout=5.0)
+    assert checks.graders.passed["ring_all_reduce"]  # gloo pairs them as they come
+    notes = {r: cases[0]["log"]["unbatched"] for r, cases in enumerate(per_rank)}
+    assert notes == {r: f"called dist.isend to rank {(r + 1) % 3} outside dist.batch_isend_irecv"
+                     for r in range(3)}
+    assert all(c["log"]["ungrouped"] is None for cases in per_rank for c in cases)
+    with pytest.raises(checks.CheckFailed) as info:
+        checks.check_ring_all_reduce(cluster, ring_isend_irecv_unbatched, timeout=5.0, backend="nccl")
+    assert info.value.mistake == R.UNBATCHED
+    text = str(info.value)
+    assert "rank 0 (length 10, float64, on 3 ranks) called dist.isend to rank 1 outside" in text
+    assert "batch_isend_irecv" in text and "P2POp" in text and "eager init" in text
+    assert not checks.graders.passed["ring_all_reduce"]
+
+
+def test_a_batched_ring_leaves_no_unbatched_note(cluster):
+    # ddplab's own ring (batch_isend_irecv) and a blocking send's inner isend are told apart
+    per_rank = checks.check_ring_all_reduce(cluster, ring.ring_all_reduce, timeout=5.0, backend="nccl")
+    assert all(c["log"]["unbatched"] is None for cases in per_rank for c in cases)
+    per_rank = checks.check_ring_all_reduce(cluster, ring_even_odd, timeout=5.0)
+    assert per_rank[0][0]["log"]["unbatched"] == "called dist.send to rank 1 outside dist.batch_isend_irecv"
+    assert per_rank[1][0]["log"]["unbatched"] == "called dist.recv from rank 0 outside dist.batch_isend_irecv"

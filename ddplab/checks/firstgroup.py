@@ -11,9 +11,12 @@ Named mistakes: every rank blocked in a blocking ``send`` (a gloo ``send``
 returns only once its receiver has posted the matching ``recv``, so nobody
 receives); a send or recv without a partner; the wrong direction (the
 tensor came from the right); a receive buffer of another size; nothing
-returned; a collective instead of send/recv; an isend/irecv never waited. The traffic is watched with
-``ddplab.lessons.ring.watch_p2p``, which stops a deadlock after ``timeout``
-seconds instead of hanging.
+returned; a collective instead of send/recv; an isend/irecv never waited; judged
+for NCCL (``backend="nccl"``, as lab 00 asks), a wait before the other half of
+the pair was posted, and a send or recv called outside ``batch_isend_irecv``
+(the ring grader's two NCCL rules, ``ddplab.checks.ring``). The traffic is
+watched with ``ddplab.lessons.ring.watch_p2p``, which stops a deadlock after
+``timeout`` seconds instead of hanging.
 
 Leaves out: tags, process subgroups, GPUs (the same code runs on NCCL ranks).
 """
@@ -25,7 +28,8 @@ import uuid
 from ddplab.cluster.errors import RankDied, RankError
 from ddplab.checks import graders
 from ddplab.checks.mistakes import EXPLAIN, NOT_IMPLEMENTED, RAISED, CheckFailed
-from ddplab.checks.ring import COLLECTIVE, DEADLOCK, MISSING_WAIT, UNPAIRED
+from ddplab.checks.ring import (COLLECTIVE, DEADLOCK, MISSING_WAIT, UNBATCHED, UNGROUPED, UNPAIRED,
+                                judged_for_nccl)
 
 FROM_THE_RIGHT = "received from the right instead of the left"
 NOTHING_RETURNED = "the received tensor was not returned"
@@ -76,8 +80,9 @@ def pass_right_on_rank(fn, cfg: dict) -> dict:
     return out
 
 
-def diagnose(per_rank: list, n: int) -> None:
-    """Raise the first mistake found in the ranks' reports, else return."""
+def diagnose(per_rank: list, n: int, backend: str = "gloo") -> None:
+    """Raise the first mistake found in the ranks' reports, else return (``backend``: the
+    backend judged for; "nccl" adds the ring grader's two NCCL rules)."""
     p = len(per_rank)
     if any(r.get("error") == "NotImplementedError" for r in per_rank):
         raise CheckFailed(NOT_IMPLEMENTED, "my_pass_right raised NotImplementedError")
@@ -103,6 +108,11 @@ def diagnose(per_rank: list, n: int) -> None:
     if unwaited:  # the values may even be right: the task is a pair that has finished
         raise CheckFailed(MISSING_WAIT, f"rank {unwaited[0]}: an isend/irecv not waited for "
                                         "when your function returned")
+    if judged_for_nccl(backend):
+        for key, mistake in (("ungrouped", UNGROUPED), ("unbatched", UNBATCHED)):
+            notes = [(r["rank"], r["log"][key]) for r in per_rank if (r.get("log") or {}).get(key)]
+            if notes:
+                raise CheckFailed(mistake, f"rank {notes[0][0]} {notes[0][1]}.")
     errors = [(r["rank"], r["error"]) for r in per_rank if "error" in r]
     if errors:
         raise CheckFailed(RAISED, f"rank {errors[0][0]}: {errors[0][1]}")
@@ -119,8 +129,12 @@ def diagnose(per_rank: list, n: int) -> None:
                                         f"rank {(rank - 1) % p} sent {_data((rank - 1) % p, n)[:4].tolist()}...")
 
 
-def check_pass_right(cluster, fn, *, n: int = 7, timeout: float = 5.0) -> list:
-    """Grade ``fn(t) -> received``: send ``t`` right, return what came from the left."""
+def check_pass_right(cluster, fn, *, n: int = 7, timeout: float = 5.0,
+                     backend: str | None = None) -> list:
+    """Grade ``fn(t) -> received``: send ``t`` right, return what came from the left.
+
+    ``backend``: the backend to judge for (default: the Cluster's). Under ``"nccl"`` the
+    pair must be one ``batch_isend_irecv``, as ``check_ring_all_reduce`` asks."""
     if getattr(cluster, "world_size", 0) < 3:
         raise ValueError("the warm-up needs at least 3 ranks (with 2, left and right are the "
                          "same neighbour): ddplab.Cluster(3)")
@@ -135,7 +149,7 @@ def check_pass_right(cluster, fn, *, n: int = 7, timeout: float = 5.0) -> list:
     except RankError as err:
         raise CheckFailed(RAISED, str(err).splitlines()[0]) from None
     try:
-        diagnose(per_rank, n)
+        diagnose(per_rank, n, backend or getattr(cluster, "backend", "gloo"))
     except CheckFailed:
         if any((r.get("log") or {}).get("unfinished") for r in per_rank):
             # an isend/irecv without a partner may still be posted inside gloo: fresh ranks

@@ -13,8 +13,10 @@ with a message instead of hanging.
 Named mistakes: a collective used instead of send/recv; deadlock (every rank
 blocked in send); on NCCL, a send and its recv not posted as one group (a wait
 made before the other half of its exchange was posted: a ring of blocking
-send and recv, which gloo runs but NCCL can deadlock on at 3+ ranks; judged
-from what the observing group saw, so it is checked on CPU ranks too); sends and recvs that do not pair up; chunks that do not
+send and recv, which gloo runs but NCCL can deadlock on at 3+ ranks); on NCCL, a send
+or recv called outside ``batch_isend_irecv`` (lessons/ring.py says why). Both NCCL rules
+are judged from what the observing group saw, so CPU ranks check them too
+(``backend="nccl"``); sends and recvs that do not pair up; chunks that do not
 cover the tensor or differ between sender and receiver; the all-gather phase
 missing; a result returned instead of written in place; the tensor never written;
 a buffer of another dtype; an isend/irecv never waited; an average instead of a sum; a correct result that sends more than a ring (not a ring).
@@ -44,6 +46,7 @@ DTYPE_MISMATCH = "a buffer of another dtype than the tensor"
 MISSING_WAIT = "an isend/irecv was never waited for"
 RING_WRONG = "the result differs from dist.all_reduce"
 UNGROUPED = "on NCCL, a send and its recv not posted together"
+UNBATCHED = "on NCCL, a send or recv outside batch_isend_irecv"
 
 EXPLAIN.update({
     COLLECTIVE: "the exercise is to build all_reduce from dist.send/dist.recv (and isend/irecv); "
@@ -52,15 +55,21 @@ EXPLAIN.update({
               "posts the matching recv (on gloo at every size; on NCCL the GPUs may wait the same way), "
               "so all ranks wait and none receives. Post the send and the recv together, then wait "
               "for both: dist.batch_isend_irecv([dist.P2POp(dist.isend, chunk, right), "
-              "dist.P2POp(dist.irecv, buf, left)]) and .wait() on each work it returns (or "
-              "dist.isend and dist.irecv, then wait for both).",
+              "dist.P2POp(dist.irecv, buf, left)]) and .wait() on each work it returns (on gloo "
+              "only, dist.isend and dist.irecv, then waiting for both, works too).",
     UNGROUPED: "this ring runs on gloo, which pairs sends and recvs as they come, but not as it "
                "should on NCCL: there a send and the recv that must progress with it have to be one "
                "group (NCCL's point-to-point guide: calls that need to progress concurrently must be "
                "merged, or they can deadlock; with 3 or more ranks a ring of blocking sends and "
-               "recvs can). Post both before waiting for either: dist.batch_isend_irecv with two "
-               "dist.P2POp (isend right, irecv left), or dist.isend and dist.irecv, then wait for "
-               "both works.",
+               "recvs can). Post both as one batch before waiting for either: "
+               "dist.batch_isend_irecv with two dist.P2POp (isend right, irecv left), then wait "
+               "for both works.",
+    UNBATCHED: "judged for NCCL, every send and recv must go through dist.batch_isend_irecv. gloo "
+               "(and this lab's Cluster) pair separately called isend/irecv as they come; plain torch "
+               "on NCCL groups only a batch, and ProcessGroupNCCL with device_id (eager init) "
+               "serializes a lone isend or irecv with every other op, warning that it does. Post "
+               "each step as one batch: dist.batch_isend_irecv([dist.P2POp(dist.isend, chunk, "
+               "right), dist.P2POp(dist.irecv, buf, left)]), then .wait() on each work.",
     UNPAIRED: "a rank waited for a message that its neighbour never sent (or sent one nobody "
               "received). Every rank sends to (rank + 1) % p and receives from (rank - 1) % p, "
               "the same number of times.",
@@ -153,6 +162,11 @@ def _all_ranks_ok(ok: bool, prefix: str, rank: int, p: int, timeout: float) -> b
     return all(store.get(k) == b"1" for k in keys)
 
 
+def judged_for_nccl(backend) -> bool:
+    """Whether a backend name means NCCL's rules: "nccl", "cpu:gloo,cuda:nccl", "ddplab_nccl"."""
+    return "nccl" in str(backend or "").lower()
+
+
 def check_ring_all_reduce(cluster, fn, *, lengths=(10, 1001), timeout: float = 5.0, seed: int = 0,
                           backend: str | None = None):
     """Grade ``fn(tensor)``: afterwards ``tensor`` holds the SUM over ranks, as after
@@ -160,9 +174,8 @@ def check_ring_all_reduce(cluster, fn, *, lengths=(10, 1001), timeout: float = 5
     about 2(p-1)/p of the tensor. Needs a Cluster of at least 3 ranks.
 
     ``backend`` is the backend to judge for (default: the Cluster's). Under ``"nccl"``
-    every wait must come after both halves of its exchange were posted (a send and its
-    recv in one group): a ring that waits for a blocking send before posting its recv
-    is refused, even when the ranks run on gloo."""
+    each wait comes after both halves of its exchange were posted, and every send and recv
+    from ``dist.batch_isend_irecv``, even when the ranks run on gloo."""
     if not callable(fn):
         raise TypeError(f"pass your ring function itself, got {type(fn).__name__}")
     if getattr(cluster, "world_size", 0) < 3:
@@ -261,10 +274,10 @@ def _diagnose_case(cases, p, backend="gloo"):
         if len(stalled) == p and all(op == "send" for op, _ in stalled.values()):
             raise CheckFailed(DEADLOCK, "stopped after the timeout: " + "; ".join(lines) + ".")
         raise CheckFailed(UNPAIRED, "stopped after the timeout: " + "; ".join(lines) + ".")
-    ungrouped = {r: c["log"]["ungrouped"] for r, c in enumerate(cases) if (c.get("log") or {}).get("ungrouped")}
-    if backend == "nccl" and ungrouped:
-        r = min(ungrouped)
-        raise CheckFailed(UNGROUPED, f"rank {r} {where} {ungrouped[r]}.")
+    for key, mistake in (("ungrouped", UNGROUPED), ("unbatched", UNBATCHED)) if judged_for_nccl(backend) else ():
+        notes = {r: c["log"][key] for r, c in enumerate(cases) if (c.get("log") or {}).get(key)}
+        if notes:  # ungrouped first: that one can deadlock
+            raise CheckFailed(mistake, f"rank {min(notes)} {where} {notes[min(notes)]}.")
     if errors:
         r = min(errors)
         raise CheckFailed(RAISED, f"rank {r} {where}: {errors[r][0]}: {errors[r][1]}\n"

@@ -16,10 +16,14 @@ write it). Each step posts its send and its receive together
 (``batch_isend_irecv``), then waits: NCCL asks that point-to-point calls which
 must progress at the same time be one group (its user guide, "Point-to-point
 communication"); a ring of blocking ``send`` then ``recv`` is not, and can
-deadlock at 3 or more NCCL ranks. ``watch_p2p`` observes every send and recv
+deadlock at 3 or more NCCL ranks. In plain torch only ``batch_isend_irecv``
+makes that group (it coalesces a batch for torch's own NCCL groups); an
+``isend`` or ``irecv`` called alone is an NCCL op of its own, which
+ProcessGroupNCCL started with ``device_id`` (eager init) serializes with every
+other op on the group, warning that it does. ``watch_p2p`` observes every send and recv
 through the observing group (``ddplab.cluster.observed``), however they are
 spelled, counts them, notes a wait made before the other half of the exchange
-was posted, and stops a wait that finds no partner after ``timeout`` seconds
+was posted and a send or recv issued outside ``batch_isend_irecv``, and stops a wait that finds no partner after ``timeout`` seconds
 with a message instead of hanging. ``send_waits_on_rank`` measures
 how long a blocking ``dist.send`` takes when the receiver is late: on gloo
 (CPU tensors) ``send`` returns only once the receiver has posted its
@@ -43,8 +47,11 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import sys
 
 _CALLS = 0
+# The torch.distributed functions a learner calls to send or receive, as their frames show them.
+_P2P_CALLS = ("send", "recv", "isend", "irecv")
 
 
 def ring_all_reduce(tensor, group=None):
@@ -163,6 +170,9 @@ class P2PLog:
         # the first wait for a send (recv) made while this rank had posted fewer recvs (sends):
         # that exchange was not posted as one group (what NCCL needs, see ring_all_reduce)
         self.ungrouped = None
+        # the first send or recv not issued from batch_isend_irecv (see issued_from): plain
+        # torch on NCCL runs such an op alone (see ring_all_reduce), not grouped with its partner
+        self.unbatched = None
 
     @property
     def bytes_sent(self) -> int:
@@ -176,6 +186,7 @@ class P2PLog:
         return {"sent": list(self.sent), "received": list(self.received),
                 "collectives": list(self.collectives), "bytes_sent": self.bytes_sent,
                 "unfinished": self.unfinished, "ungrouped": self.ungrouped,
+                "unbatched": self.unbatched,
                 "bytes_received": self.bytes_received}
 
 
@@ -213,6 +224,10 @@ class P2PWatch:
             self.same_size(token)  # before posting: nothing is left half-sent
         record = (peer, tensor.numel(), tensor.numel() * tensor.element_size())
         (self.log.sent if op == "send" else self.log.received).append(record)
+        called = issued_from()
+        if self.log.unbatched is None and called != "batch_isend_irecv":
+            self.log.unbatched = (f"called dist.{called or op} {'to' if op == 'send' else 'from'} "
+                                  f"rank {peer} outside dist.batch_isend_irecv")
         self.log.posted[op] += 1
         self.log.unfinished += 1
         return token
@@ -255,6 +270,24 @@ class P2PWatch:
             self.log.unfinished += 1  # the real wait failed: still posted
         if "imed out" in str(exc):
             raise P2PStalled(token["op"], token["peer"], self.timeout) from None
+
+
+def issued_from() -> str | None:
+    """Which torch.distributed function the send or recv being issued came from: the
+    outermost of ``batch_isend_irecv``, ``send``, ``recv``, ``isend``, ``irecv`` on the
+    stack (None if none). A group that is not torch's own ``ProcessGroup`` (the observing
+    one) is handed a batch's ops one by one, so only the stack tells a batch from
+    separately called ``isend``/``irecv``."""
+    import torch.distributed.distributed_c10d as c10d
+
+    home, found = c10d.__file__, None
+    frame = sys._getframe(1)
+    while frame is not None:
+        code = frame.f_code
+        if code.co_filename == home and code.co_name in _P2P_CALLS + ("batch_isend_irecv",):
+            found = code.co_name  # keep climbing: send calls isend, a batch calls isend/irecv
+        frame = frame.f_back
+    return found
 
 
 @contextlib.contextmanager
