@@ -135,15 +135,15 @@ def _depth(rank, store):
     a._start_coalescing()
     a.send([torch.ones(1)], 1 - rank, 0) if rank == 0 else a.recv([torch.zeros(1)], 1 - rank, 0)
     b.allreduce([torch.ones(1)], blocking(AllreduceOptions))  # joins a's group: returns None
-    swallowed = list(FakeNCCL.swallowed)
+    swallowed = ("allreduce", rank) in FakeNCCL.swallowed
     block = a._end_coalescing()
     return swallowed, block.get_future().value(), block.result()
 
 
 def test_the_fakes_group_depth_is_one_per_thread_across_instances():
-    (swallowed, value, result), _ = two_ranks(_depth)
-    assert ("allreduce", 0) in swallowed and ("allreduce", 1) in swallowed
-    assert value == [] and result == []  # a coalesced block's future holds no tensors
+    for swallowed, value, result in two_ranks(_depth):
+        assert swallowed  # b's all-reduce joined the group a opened on this thread
+        assert value == [] and result == []  # a coalesced block's future holds no tensors
 
 
 def _guess(rank, store):
@@ -308,7 +308,7 @@ def test_a_barrier_runs_on_the_ranks_gpu_not_on_a_guessed_one():
 
 # -- divergence 5: no rank kept with unfinished NCCL work ---------------------------------------
 def _unfinished(rank, store):
-    from ddplab.cluster import worker
+    from ddplab.cluster import observed
 
     g = observed_group(rank, store)
     if rank == 1:
@@ -318,16 +318,17 @@ def _unfinished(rank, store):
     opts = AllreduceOptions()
     opts.asyncOp = True
     work = g.allreduce([torch.ones(1)], opts)  # rank 1 joins only later
-    pending = g.unfinished(grace_s=0.1)
+    pending = g.unfinished(grace_s=0.1), observed.unfinished_device_work(grace_s=0.1)
     work.wait()
-    return pending, g.unfinished(grace_s=0.1), worker.UNFINISHED if hasattr(worker, "UNFINISHED") else None
+    return pending, g.unfinished(grace_s=0.1), observed.unfinished_device_work(grace_s=0.1)
 
 
 def test_a_rank_with_unfinished_nccl_work_is_not_kept():
     from ddplab.cluster import diagnosis
 
-    (pending, after, _), _ = two_ranks(_unfinished)
-    assert pending == 1 and after == 0
+    ((pending, state), after, state_after), _ = two_ranks(_unfinished)
+    assert pending == 1 and state == {diagnosis.UNFINISHED: (1,)}  # worker.group_state's entry
+    assert after == 0 and state_after == {}
     groups = {0: {"default": (4,), diagnosis.UNFINISHED: (1,)}, 1: {"default": (4,)}}
     reason = diagnosis.replace_reason({1: {"type": "ValueError"}}, set(), groups, [])
     assert reason and "had not finished on the GPU" in reason
@@ -440,3 +441,17 @@ def _futures(rank, store):
 
 def test_a_posted_sends_future_and_result_hold_its_tensor():
     assert two_ranks(_futures) == [([True], [True], [1.0, 1.0])] * 2
+
+
+def test_the_fake_devices_nccl_work_blocks_the_host_only_under_a_limit():
+    from _fake_cuda import Clock, Device, NcclWork
+
+    dev = Device(Clock())
+    NcclWork(dev, end=2.0).wait()  # a stream wait: the host goes on
+    assert dev.clock() == 0.0 and dev.main.busy_until == 2.0
+    NcclWork(dev, end=3.0).wait(datetime.timedelta(seconds=5))  # the host waits for the end
+    assert dev.clock() == 3.0
+    with pytest.raises(dist.DistBackendError, match="ran for 1000 milliseconds before timing out"):
+        NcclWork(dev, end=10.0).wait(datetime.timedelta(seconds=1))
+    work = NcclWork(dev, end=60.0)
+    assert work.get_future().done() and not work.is_completed()  # complete at enqueue

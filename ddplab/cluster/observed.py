@@ -33,98 +33,38 @@ all-gathers and broadcasts they are made of), functional collectives
 (``torch.distributed._functional_collectives`` goes through the dispatcher,
 not this object), NCCL's coalescing manager for collectives (each collective is
 issued alone; NCCL sends and recvs are grouped, ``wrapped.CoalescedP2P``),
-``TORCH_DISTRIBUTED_DEBUG=DETAIL``'s wrapper group. The NCCL half is written
-for CUDA tensors but was not run on a GPU where this was written.
+``TORCH_DISTRIBUTED_DEBUG=DETAIL``'s wrapper group.
+
+On NCCL (docs/gpu.md): ProcessGroupNCCL answers a blocking op with no work
+(torch >= 2.8), so a CUDA op is forwarded with ``asyncOp=True`` and the caller's
+blocking call waits on the real work, through the observers; the wait makes the
+caller's stream wait for NCCL's, as the blocking op's own stream order would.
+Barriers run on the rank's GPU; ``shutdown`` reaches NCCL; unfinished NCCL work
+is reported. The NCCL half was not run on a GPU where this was written: an
+earlier form failed on an H200; this fixed form was never run on a GPU, only on
+CPU against a fake with ProcessGroupNCCL's contract (tests/_fake_nccl.py).
 
 References: torch/distributed/distributed_c10d.py (Backend.register_backend,
 _new_process_group_helper: a creator returning a ProcessGroup subclass
-replaces the whole group); torch/csrc/distributed/c10d/PyProcessGroup.hpp
+replaces the whole group; ``opts.asyncOp = async_op`` and "the backend has
+sync'ed at CPP level"; barrier's device choice; destroy_process_group's
+``shutdown``); torch/csrc/distributed/c10d/PyProcessGroup.hpp
 (which methods C++ callers can reach in Python); ProcessGroupGloo, ProcessGroupNCCL.
 """
 from __future__ import annotations
 
 import contextlib
-import datetime
 import weakref
 
 import torch
 import torch.distributed as dist
 
 from ddplab.cluster import wrapped
+from ddplab.cluster.observed_work import Observing, ObservedWork, completed  # noqa: F401 - public here too
 from ddplab.cluster.wrapped import CoalescedP2P, close_open_blocks, gloo_group, nccl_group, route, seconds
 
 BACKENDS = {"ddplab_gloo": "gloo", "ddplab_nccl": "cpu:gloo,cuda:nccl"}
 LIVE: "weakref.WeakSet" = weakref.WeakSet()  # this process's observing groups (subgroups too)
-
-
-class Observing:
-    """An observer that notes nothing: subclass it and override what you need
-    (the methods of ``ddplab.contracts.protocols.Observer``)."""
-
-    timeout: float | None = None
-
-    def launched(self, op, tensors, group, peer):
-        return None
-
-    def started(self, token, work):
-        return None
-
-    def waiting(self, token):
-        pass
-
-    def future_taken(self, token):
-        pass
-
-    def failed(self, token, exc):
-        pass
-
-
-class ObservedWork(dist._Work):
-    """The work a caller gets: waits go through the observers (timeouts, notes)."""
-
-    def __init__(self, work, group: "ObservedGroup", calls: list, cap=None):
-        super().__init__()
-        self.work, self.group, self.calls, self.cap = work, group, calls, cap
-
-    def wait(self, timeout=None):
-        limit = self.group.wait_limit(timeout, self.cap)
-        try:
-            for observer, token in self.calls:
-                observer.waiting(token)
-        except BaseException:
-            close_open_blocks()  # a stall an observer found must not leave NCCL's group open
-            raise
-        try:
-            if limit is None:
-                return self.work.wait()
-            return self.work.wait(datetime.timedelta(seconds=limit))
-        except RuntimeError as exc:
-            for observer, token in self.calls:
-                observer.failed(token, exc)  # may raise its own error (a grader's Stalled)
-            raise
-
-    def get_future(self):
-        for observer, token in self.calls:
-            observer.future_taken(token)
-        return self.work.get_future()
-
-    def is_completed(self):
-        return self.work.is_completed()
-
-    def is_success(self):
-        return self.work.is_success()
-
-    def exception(self):
-        return self.work.exception()
-
-    def synchronize(self):
-        return self.work.synchronize()
-
-    def source_rank(self):
-        return self.work.source_rank()
-
-    def result(self):
-        return self.work.result()
 
 
 class ObservedGroup(dist.ProcessGroup):
@@ -201,16 +141,14 @@ class ObservedGroup(dist.ProcessGroup):
         self.cpu.abort()
 
     def unfinished(self, grace_s: float = 1.0) -> int:
-        """NCCL works issued here that have not finished on the GPU (after ``grace_s``).
-
-        On a GPU a blocking op returns before it runs: equal issue counts do not prove that
-        the work ended, and a rank with a hung one would hang or fail the next job."""
+        """NCCL works issued here not finished on the GPU after ``grace_s``: on a GPU a
+        blocking op returns before it runs, so equal issue counts prove no work ended."""
         import time
 
         close_open_blocks()
         end = time.monotonic() + grace_s
         while True:
-            self.device_works = [w for w in self.device_works if not _completed(w)]
+            self.device_works = [w for w in self.device_works if not completed(w)]
             if not self.device_works or time.monotonic() >= end:
                 return len(self.device_works)
             time.sleep(0.01)
@@ -328,16 +266,13 @@ class ObservedGroup(dist.ProcessGroup):
         return self._issue("recv", tensors, lambda b: b.recv_anysource(tensors, tag))
 
 
-def _completed(work) -> bool:
-    try:
-        return bool(work.is_completed())
-    except Exception:  # a failed or aborted work is not pending any more
-        return True
+def unfinished_device_work(grace_s: float = 1.0) -> dict:
+    """``{UNFINISHED: (n,)}`` when this process's observing groups have n NCCL works not
+    finished on the GPU, else ``{}`` (an entry of worker.group_state; diagnosis.py reads it)."""
+    from ddplab.cluster.diagnosis import UNFINISHED
 
-
-def unfinished_device_work(grace_s: float = 1.0) -> int:
-    """NCCL works of this process's observing groups not finished on the GPU (worker.group_state)."""
-    return sum(g.unfinished(grace_s) for g in list(LIVE) if g.cuda is not None)
+    n = sum(g.unfinished(grace_s) for g in list(LIVE) if g.cuda is not None)
+    return {UNFINISHED: (n,)} if n else {}
 
 
 def _flat(tensors):

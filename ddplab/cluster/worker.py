@@ -143,14 +143,9 @@ def group_state() -> dict | None:
             if not seqs:  # the observing group (observed.py) has no backend: it counts itself
                 seqs.append(pg._get_sequence_number_for_group())
             state[name] = tuple(seqs)
-        # On a GPU a blocking op returns before it runs: equal counts do not prove that the
-        # work ended. A rank with NCCL work still unfinished must not be kept (diagnosis.py).
-        from ddplab.cluster.diagnosis import UNFINISHED
         from ddplab.cluster.observed import unfinished_device_work
 
-        unfinished = unfinished_device_work()
-        if unfinished:
-            state[UNFINISHED] = (unfinished,)
+        state.update(unfinished_device_work())  # on a GPU equal counts do not prove work ended
         return state
     except Exception:
         return None
