@@ -225,6 +225,7 @@ class FakeWork:
     def __init__(self, pg, op, outputs, stream, parts=None):
         self.pg, self.op, self.outputs, self.stream = pg, op, outputs, stream
         self.seq, self.real, self.parts = pg.seq, None, parts
+        self.ended = False
         self.enqueued_at = time.monotonic()
         self.future = torch.futures.Future()
         self.future.set_result(list(outputs))  # complete at enqueue, as a CUDA future is
@@ -242,6 +243,8 @@ class FakeWork:
             s = self.pg.cuda.current
             if not isinstance(self.stream, str):
                 s.busy_until = max(s.busy_until, self.stream.busy_until)
+        if self.ended:  # a WorkNCCL may be waited on again (a gloo work only once)
+            return True
         limit = None if timeout is None else (timeout.total_seconds()
                                               if isinstance(timeout, datetime.timedelta) else timeout)
         for real in self._reals():
@@ -257,6 +260,7 @@ class FakeWork:
                         f"OpType={OP_TYPES.get(self.op, 'COALESCED')}, Timeout(ms)={int(limit * 1000)}) "
                         f"ran for {ran_ms} milliseconds before timing out.") from None
                 raise dist.DistBackendError(str(exc)) from None
+        self.ended = True
         return True
 
     synchronize = wait
@@ -265,6 +269,8 @@ class FakeWork:
         return self.future
 
     def is_completed(self):
+        if self.ended:
+            return True
         try:
             return all(r.is_completed() for r in self._reals())
         except AssertionError:
