@@ -81,12 +81,39 @@ class Device:
 
 
 class NcclWork:
-    """A collective that ends at device time ``end``; ``wait()`` is a stream wait."""
+    """A collective that ends at device time ``end``; ``wait()`` is a stream wait.
+
+    As ``WorkNCCL::wait``: without a limit the current stream waits for the collective
+    and the host goes on; with one the host blocks until the end (the clock advances to
+    it) or, if the end is further than the limit, raises NCCL's timeout (tests/_fake_nccl.py
+    is the whole group; this is one work on the fake clock)."""
 
     def __init__(self, dev: Device, end: float):
         self.dev, self.end = dev, end
+        self.get_future = _complete_now  # an NCCL future is complete at enqueue
 
     def wait(self, timeout=None) -> bool:
         s = self.dev.current
         s.busy_until = max(s.busy_until, self.end)
+        if timeout is not None:
+            limit = timeout.total_seconds() if hasattr(timeout, "total_seconds") else float(timeout)
+            if self.end - self.dev.clock() > limit:
+                import torch.distributed as dist
+
+                self.dev.clock.advance(limit)
+                raise dist.DistBackendError(
+                    f"Watchdog caught collective operation timeout: WorkNCCL(SeqNum=1, OpType=ALLREDUCE) "
+                    f"ran for {int(limit * 1000)} milliseconds before timing out.")
+            self.dev.clock.t = max(self.dev.clock.t, self.end)
         return True
+
+    def is_completed(self) -> bool:
+        return self.dev.clock() >= self.end
+
+
+def _complete_now():
+    import torch
+
+    f = torch.futures.Future()
+    f.set_result([])
+    return f

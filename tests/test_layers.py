@@ -19,7 +19,8 @@ PACKAGE = ROOT / "ddplab"
 MODULES = {
     0: {"ddplab.contracts": ["", "clock", "protocols"],
         "ddplab.cluster": ["", "answers", "backend", "cluster", "diagnosis", "errors", "generations",
-                           "gpu_facts", "gpu_locks", "gpus", "launchers", "lifecycle", "observed", "output",
+                           "gpu_facts", "gpu_locks", "gpus", "launchers", "lifecycle", "observed", "observed_work",
+                           "output",
                            "process", "progress", "rendezvous", "resources", "results", "status",
                            "subset", "torchrun", "worker", "wrapped"]},
     1: {"ddplab.netsim": ["", "costmodel", "link", "simulated"]},

@@ -110,27 +110,18 @@ def test_a_late_rank_starts_and_a_skipped_collective_stalls_after_the_short_time
     assert "Timed out waiting 3000ms for recv" in lonely["error"] and lonely["after_s"] < 20, lonely
 
 
-class FakeNCCL:
-    """Stands for dist.ProcessGroupNCCL (the CPU wheel has none): keeps what it was built with."""
-
-    class Options:
-        def __init__(self, is_high_priority_stream=False):
-            self._timeout = None
-
-    def __init__(self, store, rank, size, options):
-        self.store, self.rank, self.size, self.options = store, rank, size, options
-
-
-def test_the_nccl_half_gets_the_collective_timeout_and_groups_its_point_to_point(monkeypatch):
+def test_the_nccl_half_gets_the_collective_timeout_and_groups_its_point_to_point():
     """The observing group as an NCCL rank builds it, on one CPU process, NCCL faked."""
     import torch.distributed as dist
 
+    from _fake_nccl import FakeNCCL, installed
     from ddplab.cluster.observed import ObservedGroup
     from ddplab.cluster.wrapped import CoalescedP2P
 
-    monkeypatch.setattr(dist, "ProcessGroupNCCL", FakeNCCL, raising=False)
-    group = ObservedGroup(dist.HashStore(), 0, 1, datetime.timedelta(seconds=3),
-                          "cpu:gloo,cuda:nccl")
+    with installed():
+        group = ObservedGroup(dist.HashStore(), 0, 1, datetime.timedelta(seconds=3),
+                              "cpu:gloo,cuda:nccl")
+        group.shutdown()
     assert isinstance(group.cuda, FakeNCCL) and group.getBackendName() == "ddplab_nccl"
     assert group.cuda.options._timeout == datetime.timedelta(seconds=3)  # the watchdog's limit
     assert isinstance(group.p2p, CoalescedP2P) and group.p2p.backend is group.cuda

@@ -33,6 +33,7 @@ from ddplab.timeline.recorder import Recorder
 from ddplab.checks import workload as W
 from ddplab.checks.mistakes import NOT_IMPLEMENTED, RAISED, CheckFailed
 from ddplab.checks.watch import Stalled, Watch
+from ddplab.cluster.wrapped import timed_out
 
 
 def call(where: str, fn, *args):
@@ -113,7 +114,7 @@ class Grading:
         try:  # the grader's own meeting, on its own group
             dist.all_gather(gathered, params, group=self.grader_group)
         except RuntimeError as exc:
-            if "imed out" not in str(exc):
+            if not timed_out(exc):  # gloo's words or NCCL's (wrapped.timed_out)
                 raise
             raise Stalled(self.rank, f"finished step {step} (having started "
                                      f"{len(facts['launches'])} collective(s)) and waited for the "

@@ -44,6 +44,7 @@ import torch
 import torch.distributed as dist
 
 from ddplab.cluster.observed import observing
+from ddplab.cluster.wrapped import timed_out
 from ddplab.timeline.clock import now
 
 
@@ -134,7 +135,7 @@ class Watch:
             event["future"] = True  # waiting through the future is not visible here
 
     def failed(self, event, exc):
-        if event is not None and "imed out" in str(exc):
+        if event is not None and timed_out(exc):  # gloo's words or NCCL's (wrapped.timed_out)
             raise Stalled(self.rank, self.describe(event)) from None
 
     # -- what happened ------------------------------------------------------------------
@@ -152,6 +153,7 @@ class Watch:
         return self._add("launch", seq=self._seq, op=op, kind=kind, param=param,
                          backward=self.backwards if where == "backward" else None,
                          numel=0 if tensor is None else tensor.numel(), phase_=where,
+                         device="cpu" if tensor is None else tensor.device.type,
                          ptr=tensor.data_ptr() if isinstance(tensor, torch.Tensor) else None,
                          nbytes=0 if tensor is None else tensor.numel() * tensor.element_size())
 
@@ -192,7 +194,10 @@ class Watch:
             rec.grad_ready(index, self._last_hook_t)
         label = event["param"] or f"your tensor ({event['numel']} elements)"
         rec.launch(index, event["nbytes"], (f"{event['op']} {event['kind']} {label}",))
-        work.get_future().then(lambda _f: rec.comm_done(index))
+        if event["device"] == "cpu":
+            work.get_future().then(lambda _f: rec.comm_done(index))
+        else:  # an NCCL future completes when the op is queued: that is no transfer's end
+            work.get_future().then(lambda _f: rec.record("enqueued", now(), bucket=index))
 
     def begin_step(self, step: int) -> None:
         self.step, self._launches_in_step, self.phase = step, 0, "forward"

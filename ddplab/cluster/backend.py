@@ -77,7 +77,7 @@ def init_group(backend: str, *, rank: int, world_size: int, timeout: float | Non
         # Select the GPU before any CUDA work, or every rank would make a context on
         # GPU 0. No device_id: init_process_group would ask the group for its CUDA
         # backend to connect eagerly, and a Python group (observed.py) has none to give;
-        # the NCCL communicator inside it connects at its first collective.
+        # the observing group connects its NCCL half itself, on this GPU (wrapped.nccl_group).
         torch.cuda.set_device(gpu)
     if timeout is not None:
         kwargs["timeout"] = datetime.timedelta(seconds=timeout)

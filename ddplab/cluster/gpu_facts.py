@@ -12,6 +12,10 @@ memory. ``visible`` renumbers the GPUs as CUDA does under
 CUDA_VISIBLE_DEVICES (indices, GPU UUIDs, or MIG devices: ``MIG-<uuid>``,
 or ``MIG-GPU-<gpu uuid>/<gi>/<ci>`` from older drivers).
 
+``visible_gpus`` counts what torch sees (no CUDA context) and ``too_few`` says what to
+do when there are not enough. This module imports nothing of the package:
+``resources`` and ``gpus`` build on it, so the three form no import circle.
+
 ``discover`` is the one place that looks at the hardware; tests put a fake
 ``nvidia-smi`` on PATH or hand ``gpus.place`` a list of ``GPU`` records.
 
@@ -172,7 +176,28 @@ def _int(text: str) -> int | None:
 
 def _from_torch() -> list[GPU]:
     # No nvidia-smi: count with torch (no CUDA context) and admit we know nothing else.
-    from ddplab.cluster.resources import visible_gpus
-
     return [GPU(i, pids=None, note="no nvidia-smi: memory and users unknown")
             for i in range(visible_gpus())]
+
+
+def visible_gpus() -> int:
+    """GPUs this process could give its ranks (respects CUDA_VISIBLE_DEVICES).
+
+    Does not create a CUDA context in the calling process.
+    """
+    import torch
+
+    if not torch.cuda.is_available():
+        return 0
+    return torch.cuda.device_count()
+
+
+def too_few(world_size: int, n: int) -> str:
+    cvd = os.environ.get("CUDA_VISIBLE_DEVICES")
+    seen = f" (CUDA_VISIBLE_DEVICES={cvd!r})" if cvd is not None else ""
+    if n == 0:
+        return (f"backend='nccl' needs one GPU per rank but no GPU is visible{seen}. "
+                "Use backend='gloo' (CPU) or backend='auto'.")
+    return (f"backend='nccl' needs one GPU per rank: world_size={world_size} but {n} GPU(s) are "
+            f"visible{seen}. Use world_size<={n} or backend='gloo' (CPU), or backend='auto' to "
+            "choose for you.")

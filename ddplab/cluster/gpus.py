@@ -36,7 +36,7 @@ import os
 from dataclasses import dataclass, field
 
 from ddplab.cluster import gpu_locks
-from ddplab.cluster.gpu_facts import BUSY_MIB, GPU, discover, mig_devices, visible  # noqa: F401 - the public names
+from ddplab.cluster.gpu_facts import BUSY_MIB, GPU, discover, mig_devices, too_few, visible  # noqa: F401 - the public names
 
 
 @dataclass(frozen=True)
@@ -160,14 +160,3 @@ def _check_named(gpus, world_size: int, by_index: dict) -> tuple[int, ...]:
                          f"sees {sorted(by_index) or 'no GPUs'}{seen}. `python -m ddplab doctor` "
                          "lists them with their users.")
     return tuple(gpus)
-
-
-def too_few(world_size: int, n: int) -> str:
-    cvd = os.environ.get("CUDA_VISIBLE_DEVICES")
-    seen = f" (CUDA_VISIBLE_DEVICES={cvd!r})" if cvd is not None else ""
-    if n == 0:
-        return (f"backend='nccl' needs one GPU per rank but no GPU is visible{seen}. "
-                "Use backend='gloo' (CPU) or backend='auto'.")
-    return (f"backend='nccl' needs one GPU per rank: world_size={world_size} but {n} GPU(s) are "
-            f"visible{seen}. Use world_size<={n} or backend='gloo' (CPU), or backend='auto' to "
-            "choose for you.")

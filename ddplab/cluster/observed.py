@@ -33,93 +33,38 @@ all-gathers and broadcasts they are made of), functional collectives
 (``torch.distributed._functional_collectives`` goes through the dispatcher,
 not this object), NCCL's coalescing manager for collectives (each collective is
 issued alone; NCCL sends and recvs are grouped, ``wrapped.CoalescedP2P``),
-``TORCH_DISTRIBUTED_DEBUG=DETAIL``'s wrapper group. The NCCL half is written
-for CUDA tensors but was not run on a GPU where this was written.
+``TORCH_DISTRIBUTED_DEBUG=DETAIL``'s wrapper group.
+
+On NCCL (docs/gpu.md): ProcessGroupNCCL answers a blocking op with no work
+(torch >= 2.8), so a CUDA op is forwarded with ``asyncOp=True`` and the caller's
+blocking call waits on the real work, through the observers; the wait makes the
+caller's stream wait for NCCL's, as the blocking op's own stream order would.
+Barriers run on the rank's GPU; ``shutdown`` reaches NCCL; unfinished NCCL work
+is reported. The NCCL half was not run on a GPU where this was written: an
+earlier form failed on an H200; this fixed form was never run on a GPU, only on
+CPU against a fake with ProcessGroupNCCL's contract (tests/_fake_nccl.py).
 
 References: torch/distributed/distributed_c10d.py (Backend.register_backend,
 _new_process_group_helper: a creator returning a ProcessGroup subclass
-replaces the whole group); torch/csrc/distributed/c10d/PyProcessGroup.hpp
+replaces the whole group; ``opts.asyncOp = async_op`` and "the backend has
+sync'ed at CPP level"; barrier's device choice; destroy_process_group's
+``shutdown``); torch/csrc/distributed/c10d/PyProcessGroup.hpp
 (which methods C++ callers can reach in Python); ProcessGroupGloo, ProcessGroupNCCL.
 """
 from __future__ import annotations
 
 import contextlib
-import datetime
 import weakref
 
 import torch
 import torch.distributed as dist
 
-from ddplab.cluster.wrapped import CoalescedP2P, gloo_group, nccl_group, route, seconds
+from ddplab.cluster import wrapped
+from ddplab.cluster.observed_work import Observing, ObservedWork, completed  # noqa: F401 - public here too
+from ddplab.cluster.wrapped import CoalescedP2P, close_open_blocks, gloo_group, nccl_group, route, seconds
 
 BACKENDS = {"ddplab_gloo": "gloo", "ddplab_nccl": "cpu:gloo,cuda:nccl"}
 LIVE: "weakref.WeakSet" = weakref.WeakSet()  # this process's observing groups (subgroups too)
-
-
-class Observing:
-    """An observer that notes nothing: subclass it and override what you need
-    (the methods of ``ddplab.contracts.protocols.Observer``)."""
-
-    timeout: float | None = None
-
-    def launched(self, op, tensors, group, peer):
-        return None
-
-    def started(self, token, work):
-        return None
-
-    def waiting(self, token):
-        pass
-
-    def future_taken(self, token):
-        pass
-
-    def failed(self, token, exc):
-        pass
-
-
-class ObservedWork(dist._Work):
-    """The work a caller gets: waits go through the observers (timeouts, notes)."""
-
-    def __init__(self, work, group: "ObservedGroup", calls: list, cap=None):
-        super().__init__()
-        self.work, self.group, self.calls, self.cap = work, group, calls, cap
-
-    def wait(self, timeout=None):
-        limit = self.group.wait_limit(timeout, self.cap)
-        for observer, token in self.calls:
-            observer.waiting(token)
-        try:
-            if limit is None:
-                return self.work.wait()
-            return self.work.wait(datetime.timedelta(seconds=limit))
-        except RuntimeError as exc:
-            for observer, token in self.calls:
-                observer.failed(token, exc)  # may raise its own error (a grader's Stalled)
-            raise
-
-    def get_future(self):
-        for observer, token in self.calls:
-            observer.future_taken(token)
-        return self.work.get_future()
-
-    def is_completed(self):
-        return self.work.is_completed()
-
-    def is_success(self):
-        return self.work.is_success()
-
-    def exception(self):
-        return self.work.exception()
-
-    def synchronize(self):
-        return self.work.synchronize()
-
-    def source_rank(self):
-        return self.work.source_rank()
-
-    def result(self):
-        return self.work.result()
 
 
 class ObservedGroup(dist.ProcessGroup):
@@ -132,11 +77,14 @@ class ObservedGroup(dist.ProcessGroup):
         self.store = store  # the group's own (prefixed) store: observers may meet peers there
         # start-up waits longer than a collective may (wrapped.py)
         self.cpu = gloo_group(dist.PrefixStore("gloo/", store), rank, size, timeout)
-        self.cuda = None
+        self.cuda = self.device = None
         if "nccl" in description:
-            self.cuda = nccl_group(dist.PrefixStore("nccl/", store), rank, size, timeout)
+            self.device = wrapped.current_gpu()  # the rank's GPU: barriers run there
+            self.cuda = nccl_group(dist.PrefixStore("nccl/", store), rank, size, timeout,
+                                   self.device)  # connected now, on that GPU
         self.p2p = CoalescedP2P(self.cuda) if self.cuda is not None else None  # wrapped.py
         self.issued = 0  # every collective and point-to-point op, the sequence number
+        self.device_works: list = []  # NCCL works not yet seen complete (unfinished())
         self.observers: list = []
         LIVE.add(self)
 
@@ -178,21 +126,59 @@ class ObservedGroup(dist.ProcessGroup):
         return min(limits) if limits else None
 
     # -- the one path every op takes ------------------------------------------------------
+    def shutdown(self) -> None:
+        # destroy_process_group calls this (a Python method: the C++ group has no backends
+        # of its own to shut down). Without it the NCCL communicator lives until garbage
+        # collection, which warns and aborts it.
+        close_open_blocks()
+        if self.cuda is not None:
+            self.cuda.shutdown()
+        self.cpu.shutdown()
+
+    def abort(self) -> None:
+        if self.cuda is not None:
+            self.cuda.abort()
+        self.cpu.abort()
+
+    def unfinished(self, grace_s: float = 1.0) -> int:
+        """NCCL works issued here not finished on the GPU after ``grace_s``: on a GPU a
+        blocking op returns before it runs, so equal issue counts prove no work ended."""
+        import time
+
+        close_open_blocks()
+        end = time.monotonic() + grace_s
+        while True:
+            self.device_works = [w for w in self.device_works if not completed(w)]
+            if not self.device_works or time.monotonic() >= end:
+                return len(self.device_works)
+            time.sleep(0.01)
+
     def _backend(self, tensors):
         flat = [t for t in _flat(tensors) if isinstance(t, torch.Tensor)]
-        if flat and flat[0].is_cuda:
+        if flat and wrapped.on_gpu(flat[0]):
             if self.cuda is None:
                 raise RuntimeError(f"a CUDA tensor was given to a {self.description} group; "
                                    "move it to the CPU, or start the Cluster with backend='nccl'")
             return self.cuda
         return self.cpu
 
-    def _issue(self, op: str, tensors, call, peer=None):
+    def _issue(self, op: str, tensors, call, peer=None, opts=None, backend=None):
         observers = list(self.observers)
         calls = [(o, o.launched(op, list(_flat(tensors)), self, peer)) for o in observers]
-        backend = self._backend(tensors)
+        backend = self._backend(tensors) if backend is None else backend
+        if backend is self.cuda and getattr(opts, "asyncOp", True) is False:
+            # NCCL answers a blocking op with no work (torch >= 2.8) and runs it on the
+            # caller's stream. Ask for the work: c10d's blocking call then waits on it here,
+            # with the limits and observers, and the wait makes the caller's current stream
+            # wait for NCCL's, so what the caller's later kernels see is the same.
+            opts.asyncOp = True
         work = route(self.p2p, op, backend, call, tensors)
+        if work is None:
+            raise RuntimeError(f"{op}: the {'NCCL' if backend is self.cuda else 'gloo'} group "
+                               "returned no work; ddplab cannot wait on it (please report this)")
         self.issued += 1
+        if backend is self.cuda:
+            self.device_works.append(work)
         for observer, token in calls:
             work = observer.started(token, work) or work
         # gloo's sends and recvs keep the start-up limit (wrapped.py): cap their waits
@@ -200,70 +186,75 @@ class ObservedGroup(dist.ProcessGroup):
 
     # -- collectives (the names torch's c10d calls on a group) ----------------------------
     def allreduce(self, tensors, opts):
-        return self._issue("all_reduce", tensors, lambda b: b.allreduce(tensors, opts))
+        return self._issue("all_reduce", tensors, lambda b: b.allreduce(tensors, opts), opts=opts)
 
     def allreduce_coalesced(self, tensors, opts):
-        return self._issue("all_reduce", tensors, lambda b: b.allreduce_coalesced(tensors, opts))
+        return self._issue("all_reduce", tensors, lambda b: b.allreduce_coalesced(tensors, opts), opts=opts)
 
     def broadcast(self, tensors, opts):
-        return self._issue("broadcast", tensors, lambda b: b.broadcast(tensors, opts))
+        return self._issue("broadcast", tensors, lambda b: b.broadcast(tensors, opts), opts=opts)
 
     def reduce(self, tensors, opts):
-        return self._issue("reduce", tensors, lambda b: b.reduce(tensors, opts))
+        return self._issue("reduce", tensors, lambda b: b.reduce(tensors, opts), opts=opts)
 
     def allgather(self, outputs, inputs, opts):
-        return self._issue("all_gather", inputs, lambda b: b.allgather(outputs, inputs, opts))
+        return self._issue("all_gather", inputs, lambda b: b.allgather(outputs, inputs, opts), opts=opts)
 
     def allgather_coalesced(self, outputs, inputs, opts):
-        return self._issue("all_gather", inputs, lambda b: b.allgather_coalesced(outputs, inputs, opts))
+        return self._issue("all_gather", inputs, lambda b: b.allgather_coalesced(outputs, inputs, opts), opts=opts)
 
     # torch 2.13 calls these "*_single"; the backends keep the older names
     def all_gather_single(self, output, input, opts):
         return self._issue("all_gather_into_tensor", [input],
-                           lambda b: b._allgather_base(output, input, opts))
+                           lambda b: b._allgather_base(output, input, opts), opts=opts)
 
     _allgather_base = all_gather_single
 
     def all_gather_single_coalesced(self, outputs, inputs, opts):
         return self._issue("all_gather_into_tensor", inputs,
-                           lambda b: b.allgather_into_tensor_coalesced(outputs, inputs, opts))
+                           lambda b: b.allgather_into_tensor_coalesced(outputs, inputs, opts), opts=opts)
 
     allgather_into_tensor_coalesced = all_gather_single_coalesced
 
     def gather(self, outputs, inputs, opts):
-        return self._issue("gather", inputs, lambda b: b.gather(outputs, inputs, opts))
+        return self._issue("gather", inputs, lambda b: b.gather(outputs, inputs, opts), opts=opts)
 
     def scatter(self, outputs, inputs, opts):
-        return self._issue("scatter", outputs, lambda b: b.scatter(outputs, inputs, opts))
+        return self._issue("scatter", outputs, lambda b: b.scatter(outputs, inputs, opts), opts=opts)
 
     def reduce_scatter(self, outputs, inputs, opts):
-        return self._issue("reduce_scatter", inputs, lambda b: b.reduce_scatter(outputs, inputs, opts))
+        return self._issue("reduce_scatter", inputs, lambda b: b.reduce_scatter(outputs, inputs, opts), opts=opts)
 
     def reduce_scatter_single(self, output, input, opts):
         return self._issue("reduce_scatter_tensor", [input],
-                           lambda b: b._reduce_scatter_base(output, input, opts))
+                           lambda b: b._reduce_scatter_base(output, input, opts), opts=opts)
 
     _reduce_scatter_base = reduce_scatter_single
 
     def reduce_scatter_single_coalesced(self, outputs, inputs, opts):
         return self._issue("reduce_scatter_tensor", inputs,
-                           lambda b: b.reduce_scatter_tensor_coalesced(outputs, inputs, opts))
+                           lambda b: b.reduce_scatter_tensor_coalesced(outputs, inputs, opts), opts=opts)
 
     reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced
 
     def all_to_all_single(self, output, input, output_split_sizes, input_split_sizes, opts):
         return self._issue("all_to_all_single", [input], lambda b: b.alltoall_base(
-            output, input, output_split_sizes, input_split_sizes, opts))
+            output, input, output_split_sizes, input_split_sizes, opts), opts=opts)
 
     alltoall_base = all_to_all_single
 
     def alltoall(self, outputs, inputs, opts):
-        return self._issue("all_to_all", inputs, lambda b: b.alltoall(outputs, inputs, opts))
+        return self._issue("all_to_all", inputs, lambda b: b.alltoall(outputs, inputs, opts), opts=opts)
 
     def barrier(self, opts):
-        # a barrier carries no tensor of the caller's; NCCL groups barrier on their GPU
-        device = [torch.empty(0, device="cuda")] if self.cuda is not None else []
-        return self._issue("barrier", device, lambda b: b.barrier(opts))
+        # A barrier carries no tensor of the caller's; an NCCL group's runs on its GPU. c10d
+        # hands a Python group opts.device=cpu, which NCCL ignores: it takes device_ids, else
+        # guesses (bound device, last used, rank % GPUs), maybe another learner's GPU.
+        if self.cuda is None:
+            return self._issue("barrier", [], lambda b: b.barrier(opts), opts=opts)
+        if not opts.device_ids:
+            opts.device_ids = [self.device.index]
+        return self._issue("barrier", [], lambda b: b.barrier(opts), opts=opts, backend=self.cuda)
 
     def send(self, tensors, dst: int, tag: int):
         return self._issue("send", tensors, lambda b: b.send(tensors, dst, tag), peer=dst)
@@ -273,6 +264,15 @@ class ObservedGroup(dist.ProcessGroup):
 
     def recv_anysource(self, tensors, tag: int):
         return self._issue("recv", tensors, lambda b: b.recv_anysource(tensors, tag))
+
+
+def unfinished_device_work(grace_s: float = 1.0) -> dict:
+    """``{UNFINISHED: (n,)}`` when this process's observing groups have n NCCL works not
+    finished on the GPU, else ``{}`` (an entry of worker.group_state; diagnosis.py reads it)."""
+    from ddplab.cluster.diagnosis import UNFINISHED
+
+    n = sum(g.unfinished(grace_s) for g in list(LIVE) if g.cuda is not None)
+    return {UNFINISHED: (n,)} if n else {}
 
 
 def _flat(tensors):

@@ -19,6 +19,9 @@ from __future__ import annotations
 import math
 import os
 
+# GPU facts live below this module (gpu_facts imports nothing of the package): no import circle
+from ddplab.cluster.gpu_facts import too_few, visible_gpus  # noqa: F401 - visible_gpus is public here
+
 BACKENDS = ("auto", "gloo", "nccl")
 
 
@@ -60,18 +63,6 @@ def threads_per_rank(world_size: int, cpus: int | None = None) -> int:
     """Intra-op threads for each rank so that ranks do not oversubscribe the cores."""
     cpus = usable_cpus() if cpus is None else cpus
     return max(1, cpus // world_size)
-
-
-def visible_gpus() -> int:
-    """GPUs this process could give its ranks (respects CUDA_VISIBLE_DEVICES).
-
-    Does not create a CUDA context in the calling process.
-    """
-    import torch
-
-    if not torch.cuda.is_available():
-        return 0
-    return torch.cuda.device_count()
 
 
 def check_world_size(world_size) -> int:
@@ -141,7 +132,5 @@ def choose_backend(backend: str, world_size: int, gpus: int | None = None) -> st
         return "nccl" if gpus >= world_size else "gloo"
     if backend == "nccl":
         if gpus < world_size:
-            from ddplab.cluster.gpus import too_few
-
             raise ValueError(too_few(world_size, gpus))
     return backend

@@ -107,7 +107,7 @@ def error_info(exc: BaseException, skip_frames: int = 1, elapsed: float = 0.0) -
         "runtime_error": isinstance(exc, RuntimeError),  # gloo's errors, DistError included
         "timeout": isinstance(exc, TimeoutError),
         # raised from inside a torch.distributed call, or the observing group's wait on
-        # the real work (observed.py): its connections may be closed
+        # the real work (observed_work.py): its connections may be closed
         "in_collective": bool(shown) and _in_collective(shown[-1][0].f_code.co_filename),
         "elapsed": elapsed,
         "text": "".join(traceback.format_exception(exc)),
@@ -116,7 +116,8 @@ def error_info(exc: BaseException, skip_frames: int = 1, elapsed: float = 0.0) -
 
 def _in_collective(filename: str) -> bool:
     path = filename.replace(os.sep, "/")
-    return "torch/distributed/" in path or path.endswith("ddplab/cluster/observed.py")
+    return "torch/distributed/" in path or path.endswith(("ddplab/cluster/observed.py",
+                                                          "ddplab/cluster/observed_work.py"))
 
 
 def group_state() -> dict | None:
@@ -143,6 +144,9 @@ def group_state() -> dict | None:
             if not seqs:  # the observing group (observed.py) has no backend: it counts itself
                 seqs.append(pg._get_sequence_number_for_group())
             state[name] = tuple(seqs)
+        from ddplab.cluster.observed import unfinished_device_work
+
+        state.update(unfinished_device_work())  # on a GPU equal counts do not prove work ended
         return state
     except Exception:
         return None

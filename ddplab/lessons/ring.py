@@ -268,7 +268,9 @@ class P2PWatch:
             return
         if token.pop("waited", False):
             self.log.unfinished += 1  # the real wait failed: still posted
-        if "imed out" in str(exc):
+        from ddplab.cluster.wrapped import timed_out
+
+        if timed_out(exc):  # gloo's words or NCCL's
             raise P2PStalled(token["op"], token["peer"], self.timeout) from None
 
 
