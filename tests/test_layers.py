@@ -23,7 +23,7 @@ MODULES = {
                            "process", "progress", "rendezvous", "resources", "results", "status",
                            "subset", "torchrun", "worker", "wrapped"]},
     1: {"ddplab.netsim": ["", "costmodel", "link", "simulated"]},
-    2: {"ddplab.timeline": ["", "clock", "cuda_events", "metrics", "on_group", "recorder", "records",
+    2: {"ddplab.timeline": ["", "clock", "cuda_events", "metrics", "on_group", "op_bytes", "recorder", "records",
                            "trace"]},
     3: {"ddplab.sync": ["", "_common", "bucket", "bucketed", "comm", "comm_hooks", "ddp_trace",
                         "layout", "links", "manual", "overlap", "registry", "sparse", "unused", "yours",
