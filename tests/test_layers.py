@@ -38,7 +38,7 @@ MODULES = {
     6: {"ddplab.widgets": ["", "compare", "demo", "gantt", "html", "live", "panel", "scaling",
                            "sweep", "memory"]},
     7: {"ddplab.checks": ["", "compression", "data", "firstgroup", "graders", "hangs", "mistakes", "on_rank",
-                          "pipeline", "reducer_map", "ring", "watch", "workload", "yourmodel"]},
+                          "pipeline", "reducer_map", "ring", "sharding", "watch", "workload", "yourmodel"]},
     # the front doors: they may use everything below
     8: {"ddplab.notebook": ["", "completion", "ddpcell", "export", "magics", "rankview"],
         "ddplab.course": ["", "classroom", "classroom_readme", "exercises", "handouts", "hubconfig",
