@@ -13,7 +13,8 @@ and counts at the observing group what the step handed it (``OpBytes``).
 
 Mistakes it names: not implemented; hung (a broadcast only some ranks
 make); the local optimizer never stepped; no broadcast (replicas apart);
-broadcast before the step (the others got the old values); broadcast from
+the updated parameters not received (broadcast before the step, a gradient
+or a copy broadcast instead of the parameter); broadcast from
 the wrong rank (every rank agrees, on the wrong weights); other traffic than
 one copy of the parameters; anything else differing from one process.
 Leaves out: DDP's all-reduce (the gradients are given), param groups, and
@@ -29,7 +30,7 @@ from ddplab.cluster.errors import RankError
 
 NO_STEP = "the local optimizer never stepped"
 NO_BROADCAST = "no broadcast: each rank kept its own update"
-BROADCAST_FIRST = "broadcast before the step"
+NOT_RECEIVED = "the updated parameters did not reach the other ranks"
 WRONG_SOURCE = "broadcast from the wrong rank"
 WRONG_BYTES = "not one copy of the parameters sent"
 STEPS = 3
@@ -126,10 +127,12 @@ def diagnose(per_rank: list) -> None:
                                                f"parameters are {size} bytes, and each one "
                                                "travels once, from its owner.")
     if not all(s["replicas_equal"] for r in per_rank for s in r["steps"]):
-        raise CheckFailed(BROADCAST_FIRST, "the ranks hold different weights although every "
-                                           "parameter was sent: the broadcast came before "
-                                           "local_optimizer.step(), so the others received the "
-                                           "old values. Step first, then broadcast.")
+        raise CheckFailed(NOT_RECEIVED, "the ranks hold different weights although every "
+                                        "parameter's bytes were sent: what travelled was not "
+                                        "the updated parameter itself. Broadcast after "
+                                        "local_optimizer.step(), and broadcast p (or p.data) in "
+                                        "place, not its gradient or a copy: the receiving "
+                                        "ranks' p must be overwritten.")
     worst = max(s["vs_one_process"] for r in per_rank for s in r["steps"])
     if worst > 1e-12:
         mistake = WRONG_SOURCE if all(s["replicas_equal"] for r in per_rank

@@ -11,7 +11,8 @@ trains a few steps, and reports in bytes:
   sharded optimizer, the local one's: this rank's share);
 - ``peak``: the most bytes of tensor storage alive at once during a step,
   everything the rank made included (activations, DDP's buckets, the
-  optimizer's temporaries, broadcast buffers). A ``TorchDispatchMode`` sees
+  optimizer's temporaries, broadcast buffers); ``sent_by_op``: the bytes the
+  last step handed the observing group, per collective. A ``TorchDispatchMode`` sees
   every op's outputs; a finalizer on each storage takes its bytes off when
   it is freed. On a GPU, ``cuda_peak`` is ``torch.cuda.max_memory_allocated``
   over the step too.
@@ -135,12 +136,18 @@ def default_model(width: int = 256, depth: int = 4):
 
 
 def measure_rank(row: str, make_model=default_model, optimizer_cls=torch.optim.Adam,
-                 steps: int = 2, batch: int = 16, lr: float = 1e-3) -> dict:
+                 steps: int = 3, batch: int = 16, lr: float = 1e-3) -> dict:
     """On each rank (``Cluster.run``): train ``steps`` steps under ``row`` and report
-    what the rank holds after the last one, and the peak during it."""
+    what the rank holds after the last one, and the peak and bytes sent during it.
+    Three steps by default: in its second step torch's DDP rebuilds its buckets and
+    broadcasts their layout (tens of bytes), a one-off the third step no longer has."""
+    import contextlib
+
     import torch.distributed as dist
 
     from ddplab.cluster.backend import device
+    from ddplab.cluster.observed import observed, observing
+    from ddplab.timeline.op_bytes import OpBytes
 
     dev = device()
     torch.manual_seed(0)
@@ -150,15 +157,18 @@ def measure_rank(row: str, make_model=default_model, optimizer_cls=torch.optim.A
         counter.track(model.parameters())
         trained, opt = ROWS[row](model, optimizer_cls, lr=lr)
         g = torch.Generator().manual_seed(dist.get_rank())
-        for _ in range(steps):
+        sent = OpBytes()  # what the last step handed the group, where it is an observing one
+        for i in range(steps):
+            last = i == steps - 1 and observed() is not None
             x = torch.randn(batch, next(model.parameters()).shape[-1], generator=g).to(dev)
             if dev.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(dev)
             counter.reset_peak()
-            opt.zero_grad(set_to_none=True)
-            trained(x).square().mean().backward()
-            opt.step()
-        out = {**held(model, opt), "peak": counter.peak}
+            with observing(sent) if last else contextlib.nullcontext():
+                opt.zero_grad(set_to_none=True)
+                trained(x).square().mean().backward()
+                opt.step()
+        out = {**held(model, opt), "peak": counter.peak, "sent_by_op": dict(sent.by_op)}
     if dev.type == "cuda":
         out["cuda_peak"] = torch.cuda.max_memory_allocated(dev)
     return out
@@ -172,7 +182,11 @@ def measure(rows=("ddp", "zero1"), world_sizes=(1, 2, 3, 4), **kwargs) -> list:
     results = []
     for ws in world_sizes:
         with Cluster(world_size=ws) as cluster:
-            for row in rows:
-                for rank, got in enumerate(cluster.run(measure_rank, row, **kwargs)):
-                    results.append({"row": row, "world_size": ws, "rank": rank, **got})
+            results += measure_on(cluster, rows, **kwargs)
     return results
+
+
+def measure_on(cluster, rows=("ddp", "zero1"), **kwargs) -> list:
+    """The same on the ranks of a running ``Cluster`` (a lab's): one dict per (row, rank)."""
+    return [{"row": row, "world_size": cluster.world_size, "rank": rank, **got}
+            for row in rows for rank, got in enumerate(cluster.run(measure_rank, row, **kwargs))]
