@@ -32,11 +32,11 @@ What it leaves out, compared with torch's ZeroRedundancyOptimizer:
 ``parameters_as_bucket_view`` (one broadcast per rank of a flat buffer, not
 one per parameter), ``overlap_with_ddp`` (stepping each bucket from a DDP
 communication hook), a partition given by hand, and the ``join()`` context
-for uneven inputs. Gradients and parameters stay whole on every rank: that
-is ZeRO-2 and ZeRO-3 (FSDP), ``ddplab.FSDP``. Every rank must create the
-optimizer and call ``add_param_group`` with the same parameters in the same
-order; the constructor checks the shapes, so a mismatch is an error, not a
-hang.
+for uneven inputs. Gradients and parameters stay whole on every rank
+(sharding those too is ZeRO-2 and ZeRO-3: FSDP, torch's ``fully_shard``).
+Every rank must create the optimizer and call ``add_param_group`` with the
+same parameters in the same order; both check the shapes on every rank, so a
+mismatch is an error, not a hang.
 
 References: Rajbhandari et al., "ZeRO: Memory Optimizations Toward Training
 Trillion Parameter Models" (SC 2020), stage 1 (P_os);
