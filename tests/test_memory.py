@@ -57,3 +57,14 @@ def test_the_picture_draws_the_largest_rank_of_each_row():
     state = next(t for t in fig.data if t.name == "optimizer state")
     assert [v * 2 ** 20 for v in state.y] == [200, 120]
     assert "zero1" in memory_table(results)
+
+
+def _sent(steps):
+    return measure_rank("ddp", steps=steps)["sent_by_op"]
+
+
+def test_ddp_broadcasts_its_rebuilt_bucket_layout_in_step_two_only(cluster2):
+    """Why measure_rank counts the third step: the second carries DDP's one-off broadcast."""
+    second, third = cluster2.run(_sent, 2)[0], cluster2.run(_sent, 3)[0]
+    assert 0 < second.get("broadcast", 0) < 1000 and "broadcast" not in third
+    assert second["all_reduce"] == third["all_reduce"]
