@@ -20,6 +20,7 @@ __all__ = ["Cluster", "launch", "ClusterError", "CollectiveTimeout", "JobTimeout
            "RankError", "average_gradients", "OverlapDDP", "BucketedDDP", "init_from_env",
            "register_strategy", "as_strategy", "build_strategy", "strategy_names", "device", "backend_name",
            "lab_world_size", "runs_here", "record", "view"]
+__all__ += ["ShardedOptimizer"]
 
 
 def load_ipython_extension(ipython):
@@ -62,4 +63,8 @@ def __getattr__(name):
         from ddplab import sync
 
         return getattr(sync, name)
+    if name == "ShardedOptimizer":  # one version only: the reference (ddplab.sync.core)
+        from ddplab.sync.core.sharded_optimizer import ShardedOptimizer
+
+        return ShardedOptimizer
     raise AttributeError(f"module 'ddplab' has no attribute {name!r}")

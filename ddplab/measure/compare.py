@@ -195,6 +195,8 @@ def assemble(per_rank, spec: RunSpec, entries: dict, cluster) -> CompareResult:
         m = summarize(tl)
         sums = [r["runs"][name]["checksum"] for r in per_rank]
         m["ranks_agree"] = name == "none" or max(sums) - min(sums) <= 1e-6 * max(1.0, abs(sums[0]))
+        if "memory" in per_rank[0]["runs"][name]:  # bytes each rank held (ddplab.measure.memory)
+            m["memory_per_rank"] = [r["runs"][name]["memory"] for r in per_rank]
         metrics[name] = m
     for name, entry in entries.items():
         traced = name + "_traced"

@@ -92,7 +92,7 @@ class StrategyRunner:
                 "init_process_group('ddplab_gloo') after ddplab.cluster.observed.register()), "
                 "or use a ddplab.Cluster")
         self.model = self.built.model
-        self.opt = torch.optim.SGD(self.model.parameters(), lr=spec.lr)
+        self.opt = (self.built.optimizer or torch.optim.SGD)(self.model.parameters(), lr=spec.lr)
         self.compute_s: list[float] = []
         self.comm_bytes = 0
 
@@ -124,14 +124,28 @@ class StrategyRunner:
             if watch is not None:
                 end = watch.end_iteration()
                 self._split_at_last_gradient(end)
-            with rec.phase("step"):
+            with rec.phase("step"), self._step_traffic() as stepped:
                 self.opt.step()
         self.comm_bytes = end["nbytes"] if watch is not None else counted.grad_bytes
+        self.comm_bytes += stepped.nbytes if stepped is not None else 0
         rec.end_iteration()
         # Forward + backward compute from the resolved phases: GPU time on a GPU (the host
         # only queues kernels there, in about a millisecond), host time on the CPU.
         it = rec.timeline.iterations[-1]
         self.compute_s.append(it.phases["backward"][1] - it.phases["forward"][0] - slept)
+
+    @contextlib.contextmanager
+    def _step_traffic(self):
+        """A sharded optimizer's step sends too (its owners' broadcasts): count it at the
+        observing group. Other rows' steps send nothing and are not watched."""
+        if self.built.optimizer is None:
+            yield None
+            return
+        from ddplab.cluster.observed import observing
+        from ddplab.timeline.op_bytes import OpBytes
+
+        with observing(OpBytes()) as counted:
+            yield counted
 
     def _split_at_last_gradient(self, end: dict) -> None:
         """Backward's compute ended at the last gradient-ready stamp: what followed inside
@@ -160,5 +174,8 @@ class StrategyRunner:
         tl.meta["comm_bytes_per_step"] = self.comm_bytes
         tl.meta["comm_path"] = COMM_PATHS[self.watch is not None]
         flat = torch.cat([p.detach().reshape(-1).double() for p in self.model.parameters()])
+        from ddplab.measure.memory import held
+
         return {"timeline": tl.to_dict(), "checksum": float(flat.sum()),
+                "memory": held(self.model, self.opt),
                 "params": flat[: 4096].clone()}

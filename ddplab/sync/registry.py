@@ -54,6 +54,7 @@ class Built:
     model: Any  # forward and the optimizer use this
     after_backward: Callable | None = None  # called after loss.backward(), if any
     tracer: Any = None  # torch DDP: a ddplab.sync.ddp_trace.DDPTracer watching its process group
+    optimizer: Callable | None = None  # optimizer(params, lr=...): the step's optimizer (ZeRO)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -281,3 +282,38 @@ def _core_bucketed(module, bucket_cap_mb=None, process_group=None):
     from ddplab.sync import core
 
     return core.BucketedDDP(module, bucket_cap_mb=bucket_cap_mb, process_group=process_group)
+
+
+# -- sharding the optimizer (ZeRO-1): torch DDP averages the gradients, and the
+# optimizer (the same SGD as every other row's) keeps the state of each rank's share,
+# steps it and broadcasts it; compare counts the broadcasts at the observing group ----
+
+def _zero_rows(make_optimizer):
+    def build(module, bucket_cap_mb=None, process_group=None, recorder=None, device_ids=None):
+        built = _ddp(module, bucket_cap_mb, process_group, recorder, device_ids)
+        built.optimizer = lambda params, **kw: make_optimizer(params, process_group, **kw)
+        return built
+    return build
+
+
+def _sharded(params, process_group, **kw):
+    import torch
+
+    from ddplab.sync.core.sharded_optimizer import ShardedOptimizer
+
+    return ShardedOptimizer(params, torch.optim.SGD, process_group=process_group, **kw)
+
+
+def _torch_zero_optimizer(params, process_group, **kw):
+    import torch
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    return ZeroRedundancyOptimizer(params, torch.optim.SGD, process_group=process_group, **kw)
+
+
+register_strategy("zero1", _zero_rows(_sharded), shape="torch_ddp", time_unrecorded=True,
+                  description="torch DDP + ddplab.ShardedOptimizer: each rank steps its share "
+                              "of the parameters and broadcasts it")
+register_strategy("torch_zero", _zero_rows(_torch_zero_optimizer), shape="torch_ddp",
+                  time_unrecorded=True,
+                  description="torch DDP + torch's ZeroRedundancyOptimizer (the reference)")

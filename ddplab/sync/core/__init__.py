@@ -11,6 +11,10 @@ Read them in this order; each is complete on its own:
   ``finalize_backward``, buckets assigned by size in reverse order and
   launched in index order) with ``no_sync``.
 
+After DDP, sharding: ``sharded_optimizer.py``, ``ShardedOptimizer`` (ZeRO
+stage 1): each rank keeps the optimizer state of its share of the
+parameters, steps it, and broadcasts the updated parameters.
+
 They make the collective calls a learner would write, with nothing else on
 them: ddplab draws their timelines by watching the process group from
 outside. They refuse options they do not support, naming the full
@@ -23,6 +27,7 @@ from ddplab.sync.core.average import (average_gradients, average_gradients_flat,
                                       broadcast_parameters)
 from ddplab.sync.core.bucketed import BucketedDDP, compute_bucket_assignment_by_size
 from ddplab.sync.core.overlap import OverlapDDP
+from ddplab.sync.core.sharded_optimizer import ShardedOptimizer
 
 __all__ = ["average_gradients", "average_gradients_flat", "broadcast_parameters", "OverlapDDP",
-           "BucketedDDP", "compute_bucket_assignment_by_size"]
+           "BucketedDDP", "compute_bucket_assignment_by_size", "ShardedOptimizer"]

@@ -1,0 +1,192 @@
+"""Memory per rank, measured: what each rank holds under DDP and under ZeRO-1.
+
+Teaches: the memory a rank needs is read from the tensors it holds, never
+worked out on paper. For each row (a way to train: ``ddp``, ``zero1``,
+``torch_zero``) and each world size, every rank builds the same model,
+trains a few steps, and reports in bytes:
+
+- ``params``, ``grads``: the storages of its model's parameters and of their
+  ``.grad`` (a storage shared by two tensors counts once);
+- ``optimizer_state``: the tensors in its optimizer's ``state`` (for a
+  sharded optimizer, the local one's: this rank's share);
+- ``peak``: the most bytes of tensor storage alive at once during a step,
+  everything the rank made included (activations, DDP's buckets, the
+  optimizer's temporaries, broadcast buffers); ``sent_by_op``: the bytes the
+  last step handed the observing group, per collective. A ``TorchDispatchMode`` sees
+  every op's outputs; a finalizer on each storage takes its bytes off when
+  it is freed. On a GPU, ``cuda_peak`` is ``torch.cuda.max_memory_allocated``
+  over the step too.
+
+Rows are one entry each in ``ROWS``: ``build(model, optimizer_cls, **kwargs)``
+returns ``(model_to_train, optimizer)``. A row for FSDP is one more entry:
+its parameters are then the shards the rank holds, read the same way.
+
+Leaves out: memory outside tensor storages (the Python heap, gloo's own
+buffers, the allocator's caching on CPU), and buffers (BatchNorm's
+statistics). A storage resized in place keeps the size it had when first
+seen.
+
+References: torch.utils._python_dispatch.TorchDispatchMode;
+torch.UntypedStorage (one Python object per storage, so a weakref finalizer
+fires when the storage is freed); torch.cuda.max_memory_allocated.
+"""
+from __future__ import annotations
+
+import weakref
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+FIELDS = ("params", "grads", "optimizer_state", "peak")
+
+
+class LiveBytes(TorchDispatchMode):
+    """Bytes of tensor storage alive on this rank: those it is told about (``track``)
+    and every op's outputs while the mode is on; ``peak`` since ``reset_peak()``."""
+
+    def __init__(self):
+        super().__init__()
+        self.live: dict[int, int] = {}  # storage -> its bytes
+        self.now = self.peak = 0
+
+    def track(self, tensors) -> None:
+        for t in tensors:
+            if isinstance(t, torch.Tensor) and t.device.type != "meta":
+                storage = t.untyped_storage()
+                key = storage._cdata
+                if key not in self.live and storage.nbytes():
+                    self.live[key] = storage.nbytes()
+                    self.now += storage.nbytes()
+                    self.peak = max(self.peak, self.now)
+                    weakref.finalize(storage, self._freed, key)
+
+    def _freed(self, key) -> None:
+        self.now -= self.live.pop(key, 0)
+
+    def reset_peak(self) -> None:
+        self.peak = self.now
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        self.track(tree_leaves(out))
+        return out
+
+
+def storage_bytes(tensors) -> int:
+    """Bytes of the distinct storages under ``tensors`` (None skipped)."""
+    seen = {}
+    for t in tensors:
+        if isinstance(t, torch.Tensor):
+            s = t.untyped_storage()
+            seen[s._cdata] = s.nbytes()
+    return sum(seen.values())
+
+
+def optimizer_state_tensors(optimizer) -> list:
+    """The tensors in the optimizer's state; a sharded one's local optimizer counts instead
+    (ddplab's ShardedOptimizer and torch's ZeroRedundancyOptimizer both keep it as ``.optim``)."""
+    inner = getattr(optimizer, "optim", None)
+    state = (inner if isinstance(inner, torch.optim.Optimizer) else optimizer).state
+    return [v for s in state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+
+
+def held(model, optimizer) -> dict:
+    """What this rank holds now: parameters, gradients, optimizer state, in bytes."""
+    params = list(model.parameters())
+    return {"params": storage_bytes(params),
+            "grads": storage_bytes(p.grad for p in params),
+            "optimizer_state": storage_bytes(optimizer_state_tensors(optimizer))}
+
+
+# -- the rows: how a rank trains ----------------------------------------------------------
+
+def _ddp(model, optimizer_cls, **kwargs):
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    ddp = DDP(model)
+    return ddp, optimizer_cls(ddp.parameters(), **kwargs)
+
+
+def _zero1(model, optimizer_cls, **kwargs):
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from ddplab.sync.core.sharded_optimizer import ShardedOptimizer
+
+    ddp = DDP(model)
+    return ddp, ShardedOptimizer(ddp.parameters(), optimizer_cls, **kwargs)
+
+
+def _torch_zero(model, optimizer_cls, **kwargs):
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    ddp = DDP(model)
+    return ddp, ZeroRedundancyOptimizer(ddp.parameters(), optimizer_cls, **kwargs)
+
+
+ROWS = {"ddp": _ddp, "zero1": _zero1, "torch_zero": _torch_zero}
+
+
+def default_model(width: int = 256, depth: int = 4):
+    layers = []
+    for _ in range(depth):
+        layers += [torch.nn.Linear(width, width), torch.nn.Tanh()]
+    return torch.nn.Sequential(*layers)
+
+
+def measure_rank(row: str, make_model=default_model, optimizer_cls=torch.optim.Adam,
+                 steps: int = 3, batch: int = 16, lr: float = 1e-3) -> dict:
+    """On each rank (``Cluster.run``): train ``steps`` steps under ``row`` and report
+    what the rank holds after the last one, and the peak and bytes sent during it.
+    Three steps by default: in its second step torch's DDP rebuilds its buckets and
+    broadcasts their layout (tens of bytes), a one-off the third step no longer has."""
+    import contextlib
+
+    import torch.distributed as dist
+
+    from ddplab.cluster.backend import device
+    from ddplab.cluster.observed import observed, observing
+    from ddplab.timeline.op_bytes import OpBytes
+
+    dev = device()
+    torch.manual_seed(0)
+    counter = LiveBytes()
+    with counter:
+        model = make_model().to(dev)
+        counter.track(model.parameters())
+        trained, opt = ROWS[row](model, optimizer_cls, lr=lr)
+        g = torch.Generator().manual_seed(dist.get_rank())
+        sent = OpBytes()  # what the last step handed the group, where it is an observing one
+        for i in range(steps):
+            last = i == steps - 1 and observed() is not None
+            x = torch.randn(batch, next(model.parameters()).shape[-1], generator=g).to(dev)
+            if dev.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(dev)
+            counter.reset_peak()
+            with observing(sent) if last else contextlib.nullcontext():
+                opt.zero_grad(set_to_none=True)
+                trained(x).square().mean().backward()
+                opt.step()
+        out = {**held(model, opt), "peak": counter.peak, "sent_by_op": dict(sent.by_op)}
+    if dev.type == "cuda":
+        out["cuda_peak"] = torch.cuda.max_memory_allocated(dev)
+    return out
+
+
+def measure(rows=("ddp", "zero1"), world_sizes=(1, 2, 3, 4), **kwargs) -> list:
+    """Start ranks for each world size and measure every row there: one dict per
+    (row, world size, rank), with the FIELDS in bytes."""
+    from ddplab.cluster import Cluster
+
+    results = []
+    for ws in world_sizes:
+        with Cluster(world_size=ws) as cluster:
+            results += measure_on(cluster, rows, **kwargs)
+    return results
+
+
+def measure_on(cluster, rows=("ddp", "zero1"), **kwargs) -> list:
+    """The same on the ranks of a running ``Cluster`` (a lab's): one dict per (row, rank)."""
+    return [{"row": row, "world_size": cluster.world_size, "rank": rank, **got}
+            for row in rows for rank, got in enumerate(cluster.run(measure_rank, row, **kwargs))]
