@@ -19,7 +19,8 @@ __version__ = "0.1.0"
 __all__ = ["Cluster", "launch", "ClusterError", "CollectiveTimeout", "JobTimeout", "RankDied",
            "RankError", "average_gradients", "OverlapDDP", "BucketedDDP", "init_from_env",
            "register_strategy", "as_strategy", "build_strategy", "strategy_names", "device", "backend_name",
-           "lab_world_size", "runs_here", "record", "view"]
+           "lab_world_size", "runs_here", "record", "view",
+           "FSDP"]
 
 
 def load_ipython_extension(ipython):
@@ -62,4 +63,8 @@ def __getattr__(name):
         from ddplab import sync
 
         return getattr(sync, name)
+    if name == "FSDP":  # fully sharded data parallel: the reference, ddplab.sync.core.fsdp
+        from ddplab.sync.core.fsdp import FSDP
+
+        return FSDP
     raise AttributeError(f"module 'ddplab' has no attribute {name!r}")

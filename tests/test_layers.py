@@ -28,7 +28,7 @@ MODULES = {
     3: {"ddplab.sync": ["", "_common", "bucket", "bucketed", "comm", "comm_hooks", "ddp_trace",
                         "layout", "links", "manual", "overlap", "registry", "sparse", "unused", "yours",
                         "unused_policy"],
-        "ddplab.sync.core": ["", "average", "bucketed", "overlap"]},
+        "ddplab.sync.core": ["", "average", "bucketed", "overlap", "fsdp"]},
     4: {"ddplab.measure": ["", "compare", "models", "profile", "recording", "report", "runners", "spec",
                            "sweep", "transformer", "whatif", "workload"]},
     5: {"ddplab.lessons": ["", "checkpoints", "claims", "common", "compression", "data",

@@ -9,7 +9,10 @@ Read them in this order; each is complete on its own:
 - ``bucketed.py``: ``BucketedDDP``, torch's design in torch's words
   (``autograd_hook``, ``mark_variable_ready``, ``mark_bucket_ready``,
   ``finalize_backward``, buckets assigned by size in reverse order and
-  launched in index order) with ``no_sync``.
+  launched in index order) with ``no_sync``;
+- ``fsdp.py``: ``FSDP``, after DDP: each rank keeps a shard of every layer's
+  weights, all-gathers a layer just before its forward and its backward, and
+  reduce-scatters its gradients.
 
 They make the collective calls a learner would write, with nothing else on
 them: ddplab draws their timelines by watching the process group from
@@ -22,7 +25,8 @@ exactly like these and like torch's DistributedDataParallel
 from ddplab.sync.core.average import (average_gradients, average_gradients_flat,
                                       broadcast_parameters)
 from ddplab.sync.core.bucketed import BucketedDDP, compute_bucket_assignment_by_size
+from ddplab.sync.core.fsdp import FSDP
 from ddplab.sync.core.overlap import OverlapDDP
 
 __all__ = ["average_gradients", "average_gradients_flat", "broadcast_parameters", "OverlapDDP",
-           "BucketedDDP", "compute_bucket_assignment_by_size"]
+           "BucketedDDP", "compute_bucket_assignment_by_size", "FSDP"]
