@@ -281,3 +281,26 @@ def _core_bucketed(module, bucket_cap_mb=None, process_group=None):
     from ddplab.sync import core
 
     return core.BucketedDDP(module, bucket_cap_mb=bucket_cap_mb, process_group=process_group)
+
+
+# -- sharded data parallel (after DDP): drawn from the observing process group ---------
+
+@register_strategy("fsdp", shape="buckets")
+def _fsdp(module, compute_dtype=None, process_group=None):
+    """the reference FSDP: per layer, all-gather before forward and backward, reduce-scatter"""
+    from ddplab.sync.core.fsdp import FSDP
+
+    model = FSDP(module, compute_dtype=compute_dtype, process_group=process_group)
+    return model, model.finish_gradient_synchronization
+
+
+@register_strategy("torch_fsdp2", shape="buckets")
+def _torch_fsdp2(module):
+    """torch's fully_shard on every nn.Linear and nn.Embedding, then on the model"""
+    from torch import nn
+    from torch.distributed.fsdp import fully_shard
+
+    for m in list(module.modules()):
+        if isinstance(m, (nn.Linear, nn.Embedding)):
+            fully_shard(m)
+    return fully_shard(module)
