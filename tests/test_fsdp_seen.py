@@ -79,3 +79,20 @@ def test_the_sharded_strategies_are_registered_with_a_line_each():
     assert get_strategy("fsdp").accepts("compute_dtype")
     assert "all-gather" in get_strategy("fsdp").description
     assert "fully_shard" in get_strategy("torch_fsdp2").description
+
+
+def test_compare_times_and_draws_fsdp_beside_torch_fully_shard_and_ddp(cluster2):
+    from ddplab.measure import RunSpec, compare
+
+    r = compare(cluster2, spec=RunSpec("ddp,fsdp,torch_fsdp2", steps=2, warmup=1, n_params=2e4,
+                                       depth=3, batch_size=8, world_size=2))
+    m = r.metrics
+    for name in ("fsdp", "torch_fsdp2"):
+        assert m[name]["ranks_agree"], name  # the full weights, gathered, agree on both ranks
+        assert m[name]["step_ms"] > 0 and m[name]["sharded"]
+        # no exposed/overlap figure for them: it would measure only the tail after backward
+        assert m[name]["exposed_comm_ms"] is None and m[name]["overlap_pct"] is None
+        ops = {b.params[0] for b in r.timelines[name].buckets}
+        assert ops == {"all_gather_into_tensor", "reduce_scatter_tensor"}
+    assert m["fsdp"]["comm_bytes_per_step"] == m["torch_fsdp2"]["comm_bytes_per_step"]
+    assert not m["ddp"]["sharded"] and m["ddp"]["exposed_comm_ms"] is not None
