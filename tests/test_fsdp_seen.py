@@ -96,3 +96,20 @@ def test_compare_times_and_draws_fsdp_beside_torch_fully_shard_and_ddp(cluster2)
         assert ops == {"all_gather_into_tensor", "reduce_scatter_tensor"}
     assert m["fsdp"]["comm_bytes_per_step"] == m["torch_fsdp2"]["comm_bytes_per_step"]
     assert not m["ddp"]["sharded"] and m["ddp"]["exposed_comm_ms"] is not None
+
+
+def _reduce_scatter_future():
+    out, inp = torch.empty(2), torch.ones(2 * dist.get_world_size())
+    work = dist.reduce_scatter_single(out, inp, async_op=True)
+    try:
+        work.get_future()
+        has_future = True
+    except RuntimeError:
+        has_future = False
+    work.wait()
+    return has_future, out.tolist()
+
+
+def test_gloos_reduce_scatter_has_no_future_so_its_end_is_stamped_at_its_wait(cluster2):
+    for has_future, out in cluster2.run(_reduce_scatter_future):
+        assert not has_future and out == [2.0, 2.0]
