@@ -68,7 +68,7 @@ def main(argv=None):
             aa.append(ms["torch_fsdp2_again"] / ms["torch_fsdp2"])
             vs_ddp.append(ms["fsdp"] / ms["ddp"])
             print(f"run {run}: " + ", ".join(f"{k} {v:.1f} ms" for k, v in ms.items())
-                  + f"; bytes/step: " + ", ".join(f"{k} {v.get('comm_bytes_per_step')}"
+                  + "; bytes/step: " + ", ".join(f"{k} {v.get('comm_bytes_per_step')}"
                                                    for k, v in s.items())
                   + f"; fsdp/torch_fsdp2 {ratios[-1]:.3f}, A/A {aa[-1]:.3f}", flush=True)
     print(f"load average after: {os.getloadavg()[0]:.2f}")

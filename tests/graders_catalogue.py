@@ -22,6 +22,7 @@ sys.path.insert(0, HERE)  # the catalogue's modules and _exercise_solutions
 
 import cloudpickle  # noqa: E402
 
+import _catalogue_fsdp as FSDP  # noqa: E402
 import _catalogue_new as NEW  # noqa: E402
 import _catalogue_p2p as P2P  # noqa: E402
 import _catalogue_small as SMALL  # noqa: E402
@@ -29,7 +30,7 @@ import _catalogue_sync as SYNC  # noqa: E402
 import _catalogue_yourmodel as YOURS  # noqa: E402
 import _exercise_solutions  # noqa: E402
 
-for _m in (NEW, P2P, SMALL, SYNC, YOURS, _exercise_solutions):
+for _m in (FSDP, NEW, P2P, SMALL, SYNC, YOURS, _exercise_solutions):
     cloudpickle.register_pickle_by_value(_m)  # the ranks cannot import tests/
 
 # exercise -> {"check": f(cluster, solution), "world": ranks, "correct": [...], "wrong": [(fn, mistake)]}
@@ -48,6 +49,7 @@ CATALOGUE = {
     "08 pipeline step": P2P.PIPELINE,
     "09 bucket assignment": NEW.BUCKET_ASSIGNMENT,
     "10 exposed buckets": YOURS.EXPOSED,
+    "12 FSDP gather and reduce-scatter": FSDP.FSDP_COLLECTIVES,
 }
 
 

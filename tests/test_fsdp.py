@@ -19,6 +19,8 @@ from torch import nn
 
 from ddplab.sync import core
 
+# Live ranks, several runs each: make check (UNIT_MORE), not make test-fast or test-unit.
+pytestmark = pytest.mark.slow
 IN, OUT, ROWS, STEPS = 6, 3, 12, 4
 
 
@@ -96,7 +98,8 @@ def _single_process(kind, steps, dtype=None, world_size=1):
             grads = {}
             for r in range(world_size):
                 x, y = _batch(kind, step, r, world_size)
-                cast = {n: p.detach().to(dtype).requires_grad_() for n, p in model.named_parameters()}
+                cast = {n: p.detach().to(dtype).requires_grad_()
+                        for n, p in model.named_parameters()}
                 xin = x if kind == "tied" else x.to(dtype)
                 pred = torch.func.functional_call(model, cast, (xin, _use_skip(step)),
                                                   tie_weights=True)

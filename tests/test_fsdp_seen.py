@@ -18,6 +18,8 @@ from ddplab.sync.registry import build_strategy, strategy_names
 from ddplab.timeline.on_group import GroupRecorder
 from ddplab.timeline.recorder import Recorder
 
+# Live ranks, several runs each: make check (UNIT_MORE), not make test-fast or test-unit.
+pytestmark = pytest.mark.slow
 FLOATS = 2 * (12 * 12 + 12) + 12 * 6 + 6  # every weight and bias divides by 2 and 3
 
 
@@ -50,7 +52,7 @@ def test_fsdp_sends_one_and_a_half_times_ddps_bytes_counted_at_the_group(world, 
     ddp = cluster.run(_one_step, "ddp")
     theirs = cluster.run(_one_step, "torch_fsdp2")
     for rank in range(ws):
-        calls, ring, handed, drawn = ours[rank]
+        calls, ring, _, drawn = ours[rank]
         # per layer: an all-gather in forward, another before its backward, a reduce-scatter
         assert [c[:2] for c in calls] == (
             [("all_gather_into_tensor", "forward")] * 3

@@ -36,7 +36,7 @@ MODULES = {
                            "yourmodel"]},
     6: {"ddplab.widgets": ["", "compare", "demo", "gantt", "html", "live", "panel", "scaling",
                            "sweep"]},
-    7: {"ddplab.checks": ["", "compression", "data", "firstgroup", "graders", "hangs", "mistakes", "on_rank",
+    7: {"ddplab.checks": ["", "compression", "data", "firstgroup", "fsdp", "graders", "hangs", "mistakes", "on_rank",
                           "pipeline", "reducer_map", "ring", "watch", "workload", "yourmodel"]},
     # the front doors: they may use everything below
     8: {"ddplab.notebook": ["", "completion", "ddpcell", "export", "magics", "rankview"],

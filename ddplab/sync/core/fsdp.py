@@ -23,11 +23,10 @@ steps 1/world_size of the model. ``full_parameters()`` gathers it by name.
     model.finish_gradient_synchronization()          # the replicated parameters
     opt.step()
 
-Leaves out, next to FSDP2's ``fully_shard``: DTensor shards on dim 0 (here
-flat pieces); prefetching and overlap (each collective is waited for);
-``reduce_dtype`` (float32 here), ``reshard_after_forward=False``, offload,
-hybrid sharding, accumulation without communication; buffers are broadcast
-once. As in torch, ranks must run the same layers in the same order.
+Leaves out, next to FSDP2's ``fully_shard``: DTensor shards on dim 0 (here flat
+pieces); prefetching and overlap (each collective is waited for); ``reduce_dtype``
+(float32 here), ``reshard_after_forward=False``, offload, hybrid sharding, no_sync;
+buffers are broadcast once. As in torch, ranks must run the same layers in order.
 
 References: torch/distributed/fsdp/_fully_shard/: _fsdp_param_group.py
 (``pre_forward``, ``post_forward``, ``pre_backward``, ``post_backward``),
@@ -51,8 +50,8 @@ class ShardedParameter:
         self.shape, self.numel = param.shape, param.numel()
         self.shard_numel = -(-self.numel // world_size)  # ceil: the last piece is padded
         padded = pad(param.detach().reshape(-1), self.shard_numel * world_size)
-        piece = padded[rank * self.shard_numel:(rank + 1) * self.shard_numel].clone()
-        self.shard = nn.Parameter(piece, requires_grad=param.requires_grad)
+        self.shard = nn.Parameter(padded.view(world_size, -1)[rank].clone(),  # piece ``rank``
+                                  requires_grad=param.requires_grad)
 
 
 @dataclasses.dataclass
@@ -131,7 +130,7 @@ class FSDP(nn.Module):
     def all_gather(self, unit: Unit) -> list:
         """This rank's pieces, cast, concatenated, gathered in ONE call, cut into full weights."""
         pieces = torch.cat([sp.shard.detach().to(self.compute_dtype) for sp in unit.params])
-        gathered = torch.empty(self.world_size * pieces.numel(), dtype=self.compute_dtype)
+        gathered = pieces.new_empty(self.world_size * pieces.numel())
         dist.all_gather_single(gathered, pieces, group=self.process_group)
         columns = gathered.view(self.world_size, -1).split(  # row r: rank r's pieces
             [sp.shard_numel for sp in unit.params], dim=1)
@@ -142,9 +141,9 @@ class FSDP(nn.Module):
         """Full gradients in, this rank's averaged float32 piece of each out (ONE call)."""
         sizes = [sp.shard_numel for sp in unit.params]
         rows = torch.cat([  # each gradient float32, padded, cut in pieces: row r goes to rank r
-            pad(torch.zeros(0) if g is None else g.reshape(-1).float(), n * self.world_size)
-            .view(self.world_size, n) for n, g in zip(sizes, grads)], dim=1)
-        mine = torch.empty(sum(sizes))
+            pad(sp.shard[:0] if g is None else g.reshape(-1).float(), n * self.world_size)
+            .view(self.world_size, n) for sp, n, g in zip(unit.params, sizes, grads)], dim=1)
+        mine = rows.new_empty(sum(sizes))
         dist.reduce_scatter_single(mine, rows.reshape(-1), group=self.process_group)
         mine /= self.world_size
         return [None if g is None else piece.clone() for g, piece in zip(grads, mine.split(sizes))]
@@ -200,7 +199,8 @@ class FSDP(nn.Module):
         during backward). A gradient that exists on any rank is averaged on every rank."""
         if not self.replicated:
             return
-        used = torch.tensor([float(p.grad is not None) for p in self.replicated])
+        used = torch.stack([torch.tensor(p.grad is not None, device=p.device, dtype=p.dtype)
+                            for p in self.replicated])
         dist.all_reduce(used, group=self.process_group)
         for p in [p for p, u in zip(self.replicated, used.tolist()) if u]:
             p.grad = torch.zeros_like(p) if p.grad is None else p.grad
@@ -217,7 +217,7 @@ class FSDP(nn.Module):
             if sp is None:  # replicated: every rank holds all of it
                 out[name] = p.detach().clone()
                 continue
-            gathered = torch.empty(self.world_size * sp.shard_numel)
+            gathered = sp.shard.new_empty(self.world_size * sp.shard_numel)
             dist.all_gather_single(gathered, sp.shard.detach(), group=self.process_group)
             out[name] = gathered[:sp.numel].view(sp.shape)
         return out
