@@ -32,7 +32,7 @@ MODULES = {
     4: {"ddplab.measure": ["", "compare", "models", "profile", "recording", "report", "runners", "spec",
                            "sweep", "transformer", "whatif", "workload"]},
     5: {"ddplab.lessons": ["", "checkpoints", "claims", "common", "compression", "data",
-                           "firstgroup", "hangs", "pipeline", "reducer_map", "ring", "training",
+                           "firstgroup", "hangs", "pipeline", "reducer_map", "ring", "sharding", "training",
                            "yourmodel"]},
     6: {"ddplab.widgets": ["", "compare", "demo", "gantt", "html", "live", "panel", "scaling",
                            "sweep"]},
