@@ -17,6 +17,7 @@ import os
 import pytest
 
 from ddplab.checks import compression, data, firstgroup, hangs, mistakes, pipeline, reducer_map, ring, yourmodel
+from ddplab.checks import fsdp as fsdp_check
 import _classroom as room
 
 pytestmark = [pytest.mark.slow, pytest.mark.hub, pytest.mark.skipif(
@@ -57,6 +58,8 @@ SLIPS = {
         ("for i in reversed(range(len(params))):", "for i in range(len(params)):", reducer_map.DECLARATION_ORDER)],
     "10-your-model": [
         ('b["comm_end"] > backward_end', 'b["comm_end"] >= backward_end', yourmodel.AT_THE_END)],
+    "12-fsdp": [
+        ("    return out / ws", "    return out", fsdp_check.NO_DIVISION)],
 }
 
 
