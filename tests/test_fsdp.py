@@ -253,3 +253,20 @@ def test_what_is_not_supported_is_refused_saying_what_to_do(cluster2):
         assert "tuple of module classes" in classes
         assert "does not take prefetch" in option and "fully_shard" in option
         assert "shared by a sharded layer" in tied and "norm.weight" in tied
+
+
+def _memory_between_forward_and_backward():
+    fsdp = core.FSDP(Stack())
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        out = fsdp(_batch("stack", 0, dist.get_rank(), dist.get_world_size())[0])
+    fc2 = [t for t in saved if tuple(t.shape) in ((5, 7), (7, 5))]  # fc2's weight, as saved
+    after_forward = [t.untyped_storage().size() for t in fc2]
+    out.sum().backward()
+    return after_forward, fsdp.module.fc2.weight.grad is not None
+
+
+def test_full_weights_are_freed_after_forward_and_gathered_again_for_backward(cluster2):
+    for after_forward, trained in cluster2.run(_memory_between_forward_and_backward):
+        assert after_forward and all(size == 0 for size in after_forward)  # freed...
+        assert trained  # ...and backward, which needs them, still ran: gathered again

@@ -72,7 +72,7 @@ class _GatherUnit(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads):
-        for ref in ctx.fulls:  # the layer's backward is done: free the full weights again
+        for ref in getattr(ctx, "fulls", ()):  # its layer's backward is done: free them
             if ref() is not None:
                 ref().untyped_storage().resize_(0)
         return (None, None, *ctx.fsdp.reduce_scatter(ctx.unit, grads))
