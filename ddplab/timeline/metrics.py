@@ -115,7 +115,6 @@ def summarize(tl: Timeline) -> dict:
         "exposed_comm_ms": None if sharded else ms(_median(exposed)),
         "comm_ms": ms(med_comm),
         "overlap_pct": None if sharded else _median(overlap_pct),
-        "sharded": sharded,
         "comm_bytes_per_step": int(tl.meta.get("comm_bytes_per_step", payload)),
         "n_buckets": int(_median(nbuckets) or 0),
         "algbw_GBps": algbw,
