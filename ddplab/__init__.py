@@ -20,7 +20,7 @@ __all__ = ["Cluster", "launch", "ClusterError", "CollectiveTimeout", "JobTimeout
            "RankError", "average_gradients", "OverlapDDP", "BucketedDDP", "init_from_env",
            "register_strategy", "as_strategy", "build_strategy", "strategy_names", "device", "backend_name",
            "lab_world_size", "runs_here", "record", "view"]
-__all__ += ["ShardedOptimizer"]
+__all__ += ["ShardedOptimizer", "FSDP"]
 
 
 def load_ipython_extension(ipython):
@@ -67,4 +67,8 @@ def __getattr__(name):
         from ddplab.sync.core.sharded_optimizer import ShardedOptimizer
 
         return ShardedOptimizer
+    if name == "FSDP":  # fully sharded data parallel: the reference, ddplab.sync.core.fsdp
+        from ddplab.sync.core.fsdp import FSDP
+
+        return FSDP
     raise AttributeError(f"module 'ddplab' has no attribute {name!r}")

@@ -22,6 +22,7 @@ sys.path.insert(0, HERE)  # the catalogue's modules and _exercise_solutions
 
 import cloudpickle  # noqa: E402
 
+import _catalogue_fsdp as FSDP  # noqa: E402
 import _catalogue_new as NEW  # noqa: E402
 import _catalogue_p2p as P2P  # noqa: E402
 import _catalogue_sharding as SHARDING  # noqa: E402
@@ -30,7 +31,7 @@ import _catalogue_sync as SYNC  # noqa: E402
 import _catalogue_yourmodel as YOURS  # noqa: E402
 import _exercise_solutions  # noqa: E402
 
-for _m in (NEW, P2P, SMALL, SYNC, YOURS, SHARDING, _exercise_solutions):
+for _m in (FSDP, NEW, P2P, SMALL, SYNC, YOURS, SHARDING, _exercise_solutions):
     cloudpickle.register_pickle_by_value(_m)  # the ranks cannot import tests/
 
 # exercise -> {"check": f(cluster, solution), "world": ranks, "correct": [...], "wrong": [(fn, mistake)]}
@@ -51,6 +52,7 @@ CATALOGUE = {
     "09 bucket assignment": NEW.BUCKET_ASSIGNMENT,
     "10 exposed buckets": YOURS.EXPOSED,
     "11 sharded step": SHARDING.SHARDED_STEP,
+    "12 FSDP gather and reduce-scatter": FSDP.FSDP_COLLECTIVES,
 }
 
 

@@ -18,6 +18,7 @@ import pytest
 
 from ddplab.checks import compression, data, firstgroup, hangs, mistakes, pipeline, reducer_map, ring, yourmodel
 from ddplab.checks import sharding
+from ddplab.checks import fsdp as fsdp_check
 import _classroom as room
 
 pytestmark = [pytest.mark.slow, pytest.mark.hub, pytest.mark.skipif(
@@ -60,6 +61,8 @@ SLIPS = {
         ('b["comm_end"] > backward_end', 'b["comm_end"] >= backward_end', yourmodel.AT_THE_END)],
     "11-sharded-optimizer": [
         ("        dist.broadcast(p.data, src=owner[p])", "        pass", sharding.NO_BROADCAST)],
+    "12-fsdp": [
+        ("    return out / ws", "    return out", fsdp_check.NO_DIVISION)],
 }
 
 

@@ -66,3 +66,8 @@ __all__ += ["check_bucket_assignment"]
 from ddplab.checks.yourmodel import check_exposed  # noqa: E402
 
 __all__ += ["check_exposed"]
+
+# lab 12: FSDP's gather-before-use and gradient reduce-scatter
+from ddplab.checks.fsdp import check_fsdp_collectives  # noqa: E402
+
+__all__ += ["check_fsdp_collectives"]

@@ -31,6 +31,12 @@ def table(result) -> str:
         lines.append("straggler: rank {} slowed x{:g}".format(*labels["straggler"]))
     if labels.get("bucket_cap_note"):
         lines.append(labels["bucket_cap_note"])
+    # sharded strategies (FSDP) communicate but get no exposed figure (timeline.metrics)
+    sharded = [n for n, m in result.metrics.items()
+               if m.get("n_buckets") and m.get("exposed_comm_ms") is None]
+    if sharded:
+        lines.append(f"{', '.join(sharded)}: all-gathers in the forward too, each waited for: no "
+                     "exposed/overlap figure; MiB/step is the payload handed to the group")
     drawn = [n for n, m in result.metrics.items() if m.get("comm_path") == "observing process group"]
     if drawn:
         lines.append(f"drawn from the observing process group: {', '.join(drawn)}")

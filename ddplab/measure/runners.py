@@ -173,9 +173,32 @@ class StrategyRunner:
         # all-reduces were seen: the one definition of comm_bytes_per_step
         tl.meta["comm_bytes_per_step"] = self.comm_bytes
         tl.meta["comm_path"] = COMM_PATHS[self.watch is not None]
-        flat = torch.cat([p.detach().reshape(-1).double() for p in self.model.parameters()])
+        flat = torch.cat([p.reshape(-1).double() for p in _full_parameters(self.model)])
         from ddplab.measure.memory import held
 
         return {"timeline": tl.to_dict(), "checksum": float(flat.sum()),
                 "memory": held(self.model, self.opt),
                 "params": flat[: 4096].clone()}
+
+
+@torch.no_grad()
+def _full_parameters(model) -> list:
+    """The model's full parameters on every rank, also where each rank holds a shard:
+    ddplab's FSDP gathers them itself; a DTensor of torch's fully_shard (sharded on dim 0)
+    is gathered here by hand (``full_tensor()`` makes a coalesced all-gather gloo lacks)."""
+    if hasattr(model, "full_parameters"):
+        return list(model.full_parameters().values())
+    out = []
+    for p in model.parameters():
+        if hasattr(p, "to_local"):
+            import torch.distributed as dist
+
+            local, ws = p.to_local().detach(), dist.get_world_size()
+            rows = -(-p.shape[0] // ws)
+            padded = local.new_zeros((rows, *p.shape[1:]))
+            padded[:local.shape[0]] = local
+            gathered = local.new_empty((rows * ws, *p.shape[1:]))
+            dist.all_gather_single(gathered, padded)
+            p = gathered[:p.shape[0]]
+        out.append(p.detach())
+    return out

@@ -317,3 +317,26 @@ register_strategy("zero1", _zero_rows(_sharded), shape="torch_ddp", time_unrecor
 register_strategy("torch_zero", _zero_rows(_torch_zero_optimizer), shape="torch_ddp",
                   time_unrecorded=True,
                   description="torch DDP + torch's ZeroRedundancyOptimizer (the reference)")
+
+
+# -- sharded data parallel (after DDP): drawn from the observing process group ---------
+
+@register_strategy("fsdp", shape="buckets")
+def _fsdp(module, compute_dtype=None, process_group=None):
+    """the reference FSDP: per layer, all-gather before forward and backward, reduce-scatter"""
+    from ddplab.sync.core.fsdp import FSDP
+
+    model = FSDP(module, compute_dtype=compute_dtype, process_group=process_group)
+    return model, model.finish_gradient_synchronization
+
+
+@register_strategy("torch_fsdp2", shape="buckets")
+def _torch_fsdp2(module):
+    """torch's fully_shard on every nn.Linear and nn.Embedding, then on the model"""
+    from torch import nn
+    from torch.distributed.fsdp import fully_shard
+
+    for m in list(module.modules()):
+        if isinstance(m, (nn.Linear, nn.Embedding)):
+            fully_shard(m)
+    return fully_shard(module)

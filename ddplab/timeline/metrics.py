@@ -106,11 +106,15 @@ def summarize(tl: Timeline) -> dict:
     payload = _median(nbytes) or 0
     algbw = payload / med_comm / 1e9 if med_comm else None
     ms = (lambda x: None if x is None else 1000.0 * x)
+    # Sharded strategies (FSDP) also gather weights in the forward, and wait for every
+    # collective where it is made: exposed-after-backward and overlap would mislead there.
+    sharded = any(b.params[:1] in (("all_gather_into_tensor",), ("reduce_scatter_tensor",))
+                  for b in tl.buckets)
     return {
         "step_ms": ms(_median(steps)),
-        "exposed_comm_ms": ms(_median(exposed)),
+        "exposed_comm_ms": None if sharded else ms(_median(exposed)),
         "comm_ms": ms(med_comm),
-        "overlap_pct": _median(overlap_pct),
+        "overlap_pct": None if sharded else _median(overlap_pct),
         "comm_bytes_per_step": int(tl.meta.get("comm_bytes_per_step", payload)),
         "n_buckets": int(_median(nbuckets) or 0),
         "algbw_GBps": algbw,

@@ -22,13 +22,26 @@ order they were launched:
 It also counts the bytes and calls of each iteration: a strategy that does
 not count its own traffic gets ``comm_bytes_per_step`` from here.
 
+Sharded data parallel (FSDP, torch's ``fully_shard``) makes all-gathers and
+reduce-scatters instead: each one is drawn as a bucket too, in launch order,
+with its ``op`` and ``phase``: "backward" when made while the autograd
+engine runs a node, "forward" before that, "after backward" after. Bytes
+are counted two ways. ``nbytes``: the payload handed to the group (what a
+rank passes in: its shard for an all-gather, the full tensor for an
+all-reduce or a reduce-scatter). ``ring_bytes``: what each rank sends over
+a ring of p ranks for that call, the textbook cost: all-reduce of N bytes
+2(p-1)/p N (it IS a reduce-scatter then an all-gather), reduce-scatter of N
+bytes (p-1)/p N, all-gather of shards s (p-1) s. FSDP's two all-gathers and
+one reduce-scatter of N bytes of weights send 3(p-1)/p N: 1.5x DDP's one
+all-reduce (docs/facts.md).
+
 ``record_launch`` is the one place a launch and its end are stamped: ddplab's
 own strategies (``ddplab.sync.comm``) stamp through it too.
 
 Leaves out, compared with a reducer that records itself: which parameters a
 bucket holds (the group sees a flat buffer; torch DDP's layout comes from its
-logging data, ``ddplab.sync.ddp_trace``), and anything that is not an
-all-reduce (broadcasts, gathers) as a bucket. The group sees tensors, not
+logging data, ``ddplab.sync.ddp_trace``), and broadcasts, lists of
+gathers and point-to-point calls (not drawn, not counted). The group sees tensors, not
 buckets: EVERY all-reduce in the window is drawn as one, also one made for
 another purpose (a logged loss, ``find_unused_parameters``' map of used
 parameters, PowerSGD's two per bucket). That is why ddplab's full reducers,
@@ -41,6 +54,9 @@ in index order).
 from __future__ import annotations
 
 import contextlib
+
+import torch
+import torch.distributed as dist
 
 from ddplab.cluster.observed import Observing, observing
 from ddplab.cluster.wrapped import payload_bytes
@@ -69,6 +85,39 @@ def record_launch(recorder, work, *, bucket, kind, nbytes, params=(), on_device=
     work.get_future().then(stamp_done)
 
 
+class _StampedAtWait(dist._Work):
+    """A work without a future (gloo's reduce-scatter): stamps "done" when its wait returns."""
+
+    def __init__(self, work, stamp):
+        super().__init__()
+        self.work, self.stamp = work, stamp
+
+    def wait(self, timeout=None):
+        ok = self.work.wait() if timeout is None else self.work.wait(timeout)
+        self.stamp()
+        return ok
+
+    def is_completed(self):
+        return self.work.is_completed()
+
+    def is_success(self):
+        return self.work.is_success()
+
+    def exception(self):
+        return self.work.exception()
+
+    def result(self):
+        return self.work.result()
+
+
+# Bytes each rank sends on a ring of p ranks, per payload byte handed to the group.
+RING_FACTOR = {
+    "all_reduce": lambda p: 2 * (p - 1) / p,  # a reduce-scatter, then an all-gather
+    "reduce_scatter_tensor": lambda p: (p - 1) / p,  # handed the full tensor
+    "all_gather_into_tensor": lambda p: p - 1,  # handed its shard: sends it to p-1 ranks
+}
+
+
 class GroupRecorder(Observing):
     """Watches the observing group: each iteration's all-reduces become its buckets.
 
@@ -88,6 +137,9 @@ class GroupRecorder(Observing):
     def begin_iteration(self) -> None:
         self.sizes: list[int] = []  # this iteration's all-reduces, in launch order
         self.nbytes = 0
+        self.ring_bytes = 0  # each rank's bytes on a ring (see the module docstring)
+        self.calls: list[tuple] = []  # (op, phase, payload bytes) of every drawn collective
+        self.seen_backward = False
         self.on_cpu = False  # did an all-reduce carry a CPU tensor (on a GPU rank: a mistake)
         self.last_ready = None  # the newest gradient-ready stamp not yet given to a launch
         self.backward_end = None  # the newest gradient-ready stamp of the iteration
@@ -107,12 +159,19 @@ class GroupRecorder(Observing):
 
     # -- the observer's side (ddplab.contracts.protocols.Observer) ------------------------
     def launched(self, op, tensors, group, peer):
-        if op != "all_reduce":
+        if op not in RING_FACTOR:
             return None
-        index = len(self.sizes)
-        self.sizes.append(sum(t.numel() for t in tensors))
+        index = len(self.calls)
+        if op == "all_reduce":
+            self.sizes.append(sum(t.numel() for t in tensors))
         nbytes = sum(payload_bytes(t) for t in tensors)
         self.nbytes += nbytes
+        self.ring_bytes += RING_FACTOR[op](group.size()) * nbytes
+        if torch._C._current_autograd_node() is not None:  # the engine is running a node
+            phase, self.seen_backward = "backward", True
+        else:  # torch's fully_shard reduce-scatters its last layer in backward's final callback
+            phase = "after backward" if self.seen_backward or self.backward_end else "forward"
+        self.calls.append((op, phase, nbytes))
         self.on_cpu = self.on_cpu or any(t.device.type == "cpu" for t in tensors)
         if self.recorder is None:
             return None
@@ -122,10 +181,18 @@ class GroupRecorder(Observing):
         return index, nbytes, any(t.device.type != "cpu" for t in tensors)
 
     def started(self, token, work):
-        if token is not None:
-            index, nbytes, on_device = token
-            record_launch(self.recorder, work, bucket=index, kind="grad", nbytes=nbytes,
-                          on_device=on_device)
+        if token is None:
+            return None
+        index, nbytes, on_device = token
+        try:
+            work.get_future()
+        except RuntimeError:  # gloo's reduce-scatter has none: "done" is when its wait returns
+            self.recorder.record("launch", now(), bucket=index, kind="grad", nbytes=nbytes,
+                                 params=self.calls[index][:2])
+            return _StampedAtWait(work, lambda: self.recorder.record(
+                "done", now(), bucket=index, kind="grad"))
+        record_launch(self.recorder, work, bucket=index, kind="grad", nbytes=nbytes,
+                      params=self.calls[index][:2], on_device=on_device)
         return None
 
     def end_iteration(self) -> dict:
@@ -134,7 +201,7 @@ class GroupRecorder(Observing):
         self.launches.append(self.sizes)
         out = {"backward_compute_end": self.backward_end, "n_buckets": len(self.sizes),
                "backward_compute_end_event": self.backward_end_event, "nbytes": self.nbytes,
-               "on_cpu": self.on_cpu}
+               "on_cpu": self.on_cpu, "ring_bytes": self.ring_bytes, "calls": self.calls}
         self.begin_iteration()
         return out
 

@@ -9,7 +9,10 @@ Read them in this order; each is complete on its own:
 - ``bucketed.py``: ``BucketedDDP``, torch's design in torch's words
   (``autograd_hook``, ``mark_variable_ready``, ``mark_bucket_ready``,
   ``finalize_backward``, buckets assigned by size in reverse order and
-  launched in index order) with ``no_sync``.
+  launched in index order) with ``no_sync``;
+- ``fsdp.py``: ``FSDP``, after DDP: each rank keeps a shard of every layer's
+  weights, all-gathers a layer just before its forward and its backward, and
+  reduce-scatters its gradients.
 
 After DDP, sharding: ``sharded_optimizer.py``, ``ShardedOptimizer`` (ZeRO
 stage 1): each rank keeps the optimizer state of its share of the
@@ -26,8 +29,9 @@ exactly like these and like torch's DistributedDataParallel
 from ddplab.sync.core.average import (average_gradients, average_gradients_flat,
                                       broadcast_parameters)
 from ddplab.sync.core.bucketed import BucketedDDP, compute_bucket_assignment_by_size
+from ddplab.sync.core.fsdp import FSDP
 from ddplab.sync.core.overlap import OverlapDDP
 from ddplab.sync.core.sharded_optimizer import ShardedOptimizer
 
 __all__ = ["average_gradients", "average_gradients_flat", "broadcast_parameters", "OverlapDDP",
-           "BucketedDDP", "compute_bucket_assignment_by_size", "ShardedOptimizer"]
+           "BucketedDDP", "compute_bucket_assignment_by_size", "ShardedOptimizer", "FSDP"]

@@ -1,0 +1,63 @@
+"""Lab 12's experiments: what each rank holds under FSDP, and what travels when.
+
+Teaches, on the live ranks: ``holds_on_rank`` wraps one model in the
+reference FSDP (``ddplab.sync.core.fsdp``) and reports the parameter bytes a
+rank holds between layers against the full model's; ``traffic_on_rank``
+runs one training step of a registered strategy (``ddp``, ``fsdp``,
+``torch_fsdp2``) while a ``GroupRecorder`` watches the observing group, and
+returns every collective it saw (op, forward or backward, payload bytes),
+each rank's ring bytes and the step's timeline.
+
+Leaves out: memory peaks and optimizer state (the memory-per-rank picture),
+compute_dtype (tested in tests/test_fsdp.py), timing.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ddplab.sync.core.fsdp import FSDP
+from ddplab.sync.registry import build_strategy
+from ddplab.timeline.on_group import GroupRecorder
+from ddplab.timeline.recorder import Recorder
+
+
+def stack(width: int = 12, depth: int = 3) -> nn.Module:
+    """Linear layers whose weights and biases divide by 2 and 3: no shard is padded."""
+    torch.manual_seed(0)
+    layers = []
+    for _ in range(depth - 1):
+        layers += [nn.Linear(width, width), nn.Tanh()]
+    return nn.Sequential(*layers, nn.Linear(width, width // 2))
+
+
+def holds_on_rank() -> dict:
+    model = stack()
+    full = sum(p.numel() * p.element_size() for p in model.parameters())
+    fsdp = FSDP(model)
+    held = sum(p.numel() * p.element_size() for p in fsdp.module.parameters())
+    shapes = {n: tuple(p.shape) for n, p in fsdp.module.named_parameters()}
+    gathered = {n: tuple(t.shape) for n, t in fsdp.full_parameters().items()}
+    return {"full_bytes": full, "held_bytes": held, "shard_shapes": shapes,
+            "full_shapes": gathered}
+
+
+def traffic_on_rank(name: str) -> dict:
+    rank, ws = dist.get_rank(), dist.get_world_size()
+    model = stack()
+    built = build_strategy(name, model)
+    rec = Recorder(name, rank, ws)
+    watch = GroupRecorder(rec, model.parameters())
+    x = torch.randn(8, 12, generator=torch.Generator().manual_seed(rank))
+    rec.begin_iteration(0)
+    with watch.watching(), rec.phase("forward"):
+        out = built.model(x)
+    with watch.watching(), rec.phase("backward"):
+        out.square().mean().backward()
+        if built.after_backward is not None:
+            built.after_backward()
+    end = watch.end_iteration()
+    rec.end_iteration()
+    return {"calls": end["calls"], "ring_bytes": end["ring_bytes"], "nbytes": end["nbytes"],
+            "timeline": rec.result().to_dict()}
