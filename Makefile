@@ -56,10 +56,13 @@ LABS_MORE = $(filter-out $(LABS_QUICK),$(LABS))
 # browser driving JupyterLab (<= 1.5 min).
 test: test-unit test-labs test-browser
 
+# ruff first (pyflakes, bugbear, import order; configured in pyproject.toml, pinned in constraints.txt)
 test-fast: $(STAMP)
+	$(VENV)/bin/ruff check .
 	$(call pytest_or_say_empty,-q -m "not slow" $(UNIT))
 
 test-unit: $(STAMP)
+	$(VENV)/bin/ruff check .
 	$(call pytest_or_say_empty,-q $(UNIT) $(addprefix --ignore=,$(UNIT_MORE)))
 
 test-labs: $(STAMP)

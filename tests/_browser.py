@@ -131,7 +131,7 @@ def jupyterlab(root_dir, state_dir, timeout=60.0):
                 break
             except OSError:
                 if time.monotonic() > deadline:
-                    raise RuntimeError(f"JupyterLab did not answer in {timeout:.0f} s:\n{lab.log()}")
+                    raise RuntimeError(f"JupyterLab did not answer in {timeout:.0f} s:\n{lab.log()}") from None
                 time.sleep(0.2)
         yield lab
     finally:

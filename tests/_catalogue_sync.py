@@ -3,14 +3,13 @@
 """
 import contextlib
 
+import _exercise_solutions as S
 import torch
 import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from ddplab import checks
 from ddplab.checks import mistakes as M
-
-import _exercise_solutions as S
 
 
 def _off(cluster, fn, check):

@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 
+import _sync_helpers as H
 import torch
 import torch.distributed as dist
 import torch.utils.checkpoint as cp
@@ -25,8 +26,6 @@ from torch import nn
 from ddplab.netsim import LinkModel
 from ddplab.netsim.simulated import SimulatedLink
 from ddplab.sync import comm
-
-import _sync_helpers as H
 
 IN, OUT = H.IN, H.OUT
 # Slow enough that every all-reduce of a step is still in flight when the
@@ -230,7 +229,7 @@ def train(case, strategy, steps=4, ours_kw=None, torch_kw=None, slow_link=False,
                 m = models[who]
 
                 def one_step(m=m, who=who):
-                    step_loss(case, m, xl, yl, step, rank).backward()
+                    step_loss(case, m, xl, yl, step, rank).backward()  # noqa: B023 (called at once)
                     if who == "ours":
                         after_backward()
 

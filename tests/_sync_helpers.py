@@ -15,8 +15,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ddplab.sync.registry import build_strategy
 from ddplab.sync import broadcast_parameters, comm
+from ddplab.sync.registry import build_strategy
 
 IN, OUT = 6, 3
 

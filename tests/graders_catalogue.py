@@ -20,8 +20,6 @@ import traceback
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)  # the catalogue's modules and _exercise_solutions
 
-import cloudpickle  # noqa: E402
-
 import _catalogue_fsdp as FSDP  # noqa: E402
 import _catalogue_new as NEW  # noqa: E402
 import _catalogue_p2p as P2P  # noqa: E402
@@ -30,6 +28,7 @@ import _catalogue_small as SMALL  # noqa: E402
 import _catalogue_sync as SYNC  # noqa: E402
 import _catalogue_yourmodel as YOURS  # noqa: E402
 import _exercise_solutions  # noqa: E402
+import cloudpickle  # noqa: E402
 
 for _m in (FSDP, NEW, P2P, SMALL, SYNC, YOURS, SHARDING, _exercise_solutions):
     cloudpickle.register_pickle_by_value(_m)  # the ranks cannot import tests/

@@ -13,9 +13,15 @@ import shutil
 
 import nbformat
 import pytest
-
-from _browser import (ROOT, notebook_errors, open_notebook,
-                      run_all_cells, save_screenshots, wait_for_bars, wait_for_change)
+from _browser import (
+    ROOT,
+    notebook_errors,
+    open_notebook,
+    run_all_cells,
+    save_screenshots,
+    wait_for_bars,
+    wait_for_change,
+)
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -8,17 +8,16 @@ on 2 ranks (the two hang tests wait out a 3 s collective timeout each).
 """
 import contextlib
 
+import _exercise_solutions as S
 import pytest
 import torch
 import torch.distributed as dist
 
-import _exercise_solutions as S
 import ddplab
-from ddplab.sync import core
 from ddplab import checks
-from ddplab.checks import mistakes as M
 from ddplab.checks import loss_fn
-
+from ddplab.checks import mistakes as M
+from ddplab.sync import core
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -2,11 +2,11 @@
 planted mistake of the catalogue (tests/_catalogue_sharding.py) is named."""
 from __future__ import annotations
 
+import _catalogue_sharding as CAT
 import cloudpickle
 import pytest
 import torch.distributed as dist
 
-import _catalogue_sharding as CAT
 from ddplab.checks import sharding as S
 from ddplab.checks.mistakes import HUNG, CheckFailed
 

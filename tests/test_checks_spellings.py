@@ -2,11 +2,11 @@
 sees their collectives (imported names, ``distributed_c10d``, futures, torch DDP's buckets)."""
 import sys
 
+import _exercise_solutions as S
+import _spelled_solutions as V
 import cloudpickle
 import pytest
 
-import _exercise_solutions as S
-import _spelled_solutions as V
 import ddplab
 from ddplab import checks
 from ddplab.sync import core

@@ -10,9 +10,8 @@ import os
 import subprocess
 import sys
 
-import pytest
-
 import _classroom as room
+import pytest
 
 pytestmark = [pytest.mark.slow, pytest.mark.hub, pytest.mark.skipif(
     not os.environ.get("DDPLAB_HUB_TEST"), reason="runs under make test-hub (DDPLAB_HUB_TEST=1)")]

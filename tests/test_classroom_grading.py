@@ -14,12 +14,22 @@ check): running each through a whole notebook would cost a lab's run per mistake
 """
 import os
 
+import _classroom as room
 import pytest
 
-from ddplab.checks import compression, data, firstgroup, hangs, mistakes, pipeline, reducer_map, ring, yourmodel
-from ddplab.checks import sharding
+from ddplab.checks import (
+    compression,
+    data,
+    firstgroup,
+    hangs,
+    mistakes,
+    pipeline,
+    reducer_map,
+    ring,
+    sharding,
+    yourmodel,
+)
 from ddplab.checks import fsdp as fsdp_check
-import _classroom as room
 
 pytestmark = [pytest.mark.slow, pytest.mark.hub, pytest.mark.skipif(
     not os.environ.get("DDPLAB_HUB_TEST"), reason="runs under make test-hub (DDPLAB_HUB_TEST=1)")]

@@ -22,13 +22,11 @@ import subprocess
 import sys
 import time
 import urllib.request
-from pathlib import Path
 
+import _classroom as room
 import nbformat
 import psutil
 import pytest
-
-import _classroom as room
 from _browser import KERNEL_IDLE_JS, LAB_SETTINGS, chromium, free_port, require_browser
 
 pytestmark = [pytest.mark.slow, pytest.mark.hub, pytest.mark.skipif(

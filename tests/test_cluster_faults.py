@@ -11,10 +11,10 @@ import time
 
 import pytest
 import torch
+from _procs import gone, rank_children, wait_gone, wait_rank_children
 
 import ddplab
 from ddplab.cluster import output
-from _procs import gone, rank_children, wait_gone, wait_rank_children
 
 
 @pytest.fixture
@@ -180,7 +180,6 @@ def test_a_large_print_shows_its_head_and_tail_and_what_was_dropped(cluster, cap
 
 # -- 3. processes a job starts ---------------------------------------------------------
 def _start_sleeper(seconds=1000, **popen):
-    import subprocess
 
     return subprocess.Popen(["sleep", str(seconds)], **popen).pid
 

@@ -29,7 +29,7 @@ def test_auto_picks_nccl_with_a_gpu_per_rank_and_results_come_back_on_cpu(gpu_wo
         out = c.run(_on_gpu)
     total = gpu_world * (gpu_world + 1) / 2
     assert [dev for dev, *_ in out] == list(range(gpu_world))
-    for r, (dev, name, device, described, t, cpu) in enumerate(out):
+    for r, (_dev, name, device, described, t, cpu) in enumerate(out):
         assert (name, device, described) == ("nccl", f"cuda:{r}", "cpu:gloo,cuda:nccl")
         assert t.device.type == "cpu" and t.sum().item() == 4 * total
         assert cpu.sum().item() == 2 * total

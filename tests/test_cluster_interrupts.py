@@ -13,10 +13,10 @@ import os
 import signal
 
 import pytest
+from _procs import rank_children, wait_gone, wait_rank_children
 
 import ddplab
 from ddplab.cluster import lifecycle
-from _procs import rank_children, wait_gone, wait_rank_children
 
 
 @pytest.fixture(scope="module")

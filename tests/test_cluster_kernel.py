@@ -7,7 +7,6 @@ import threading
 import time
 
 import pytest
-
 from _kernel import execute, running_kernel
 from test_cluster import gone
 

@@ -9,9 +9,9 @@ import subprocess
 import sys
 
 import pytest
+from _procs import listening_inodes, socket_inodes
 
 import ddplab
-from _procs import listening_inodes, socket_inodes
 
 NOBODY = 65534
 

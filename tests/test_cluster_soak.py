@@ -17,10 +17,10 @@ import os
 import signal
 
 import pytest
+from _procs import fds, rank_children, rss_mb, threads, wait_rank_children
 
 import ddplab
 from ddplab.cluster import lifecycle
-from _procs import fds, rank_children, rss_mb, threads, wait_rank_children
 
 PER_KIND = 7 if os.environ.get("DDPLAB_SOAK") == "1" else 1
 JOBS = 1000

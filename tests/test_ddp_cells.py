@@ -20,8 +20,8 @@ import pytest
 from nbclient import NotebookClient
 
 import ddplab
-from ddplab.notebook import ddpcell
 from ddplab.cluster import progress
+from ddplab.notebook import ddpcell
 
 CELLS = [
     f"import sys\nassert sys.prefix == {sys.prefix!r}, sys.prefix\n%load_ext ddplab",

@@ -15,12 +15,11 @@ import contextlib
 
 import pytest
 import torch
+from _fake_cuda import Clock, Device
 
 from ddplab.measure import runners
 from ddplab.measure.spec import RunSpec
 from ddplab.timeline import cuda_events, recorder
-
-from _fake_cuda import Clock, Device
 
 FORWARD_S, BACKWARD_S, HOST_S = 0.020, 0.030, 0.0005  # GPU kernels; the host's share
 

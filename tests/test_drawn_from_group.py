@@ -13,14 +13,12 @@ import subprocess
 import sys
 
 import pytest
+from _exercise_solutions import MyBucketedDDP, MyOverlapDDP, my_average_gradients
 
 import ddplab
 from ddplab.measure import compare
 from ddplab.netsim import LinkModel
-
 from ddplab.sync import core
-
-from _exercise_solutions import MyBucketedDDP, MyOverlapDDP, my_average_gradients
 
 DRAWN = "observing process group"
 
@@ -136,13 +134,12 @@ def _imported_name_over_a_link(nbytes):
     import time
 
     import torch
+    import torch.distributed as dist
     from torch.distributed import all_reduce  # bound before the link exists
 
     from ddplab.cluster.observed import observed
     from ddplab.netsim.simulated import OnGroup, SimulatedLink
     from ddplab.sync import comm
-
-    import torch.distributed as dist
 
     t = torch.ones(nbytes // 4)
     sub = dist.new_group([0, 1])  # a subgroup made before the link: an observing group too

@@ -8,8 +8,8 @@ ddplab. Budget: ~1 minute.
 """
 import nbformat
 import pytest
-
 from _kernel import execute, running_kernel
+
 from ddplab.course import exercises
 
 LABS = exercises.LABS

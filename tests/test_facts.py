@@ -4,11 +4,11 @@ text found there), a v2.13.0 URL of torch's repository with a line number, a lab
 checks it (a code cell that exists), or a test that exists. Budget: a few seconds, no ranks.
 """
 import functools
+import json
 import pathlib
 import re
 import sys
 
-import json
 import pytest
 import torch
 
@@ -122,7 +122,7 @@ def test_every_claim_has_a_source_that_is_real():
             near = "\n".join(lines[max(0, int(line) - 3):int(line) + 2])
             assert text.strip() in near, label + f"{path}#L{line} does not show {text!r}"
             found += 1
-        for tag, path, line in URL.findall(sources):
+        for tag, path, _line in URL.findall(sources):
             assert tag == "v2.13.0", label + f"{path} must be read at v2.13.0, not {tag}"
             assert not (TORCH.parent / path).is_file(), label + f"{path} ships in the wheel: cite it there"
             found += 1

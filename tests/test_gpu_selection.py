@@ -165,7 +165,6 @@ def test_strict_device_check_leaves_gloo_ranks_training():
     import ddplab
 
     def step():
-        import torch
 
         from ddplab.lessons import training
         from ddplab.sync import comm

@@ -4,11 +4,10 @@ The device timer (ddplab.timeline.cuda_events) is driven by tests/_fake_cuda.py:
 host runs ahead of a GPU whose kernels take known times, so the right answer is known.
 """
 import pytest
+from _fake_cuda import Clock, Device, NcclWork
 
 from ddplab.timeline import cuda_events, recorder
 from ddplab.timeline.recorder import Recorder
-
-from _fake_cuda import Clock, Device, NcclWork
 
 
 @pytest.fixture

@@ -4,11 +4,10 @@ and its first wrong one ends in a CheckFailed naming the mistake listed beside i
 The whole catalogue (every solution, false accepts and rejects counted) is
 ``python tests/graders_catalogue.py`` (``make test-graders``).
 """
+import graders_catalogue as C
 import pytest
 
 from ddplab.checks import CheckFailed
-
-import graders_catalogue as C
 
 pytestmark = pytest.mark.timeout(300)
 CASES = [(name, kind) for name in C.CATALOGUE for kind in ("correct", "wrong")]

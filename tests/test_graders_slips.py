@@ -4,11 +4,10 @@ planted once, and each must end in a CheckFailed naming that very slip.
 make check runs this file (UNIT_MORE): each slip waits out a short timeout or a hang, about
 40 s together on an idle 2-core machine. The whole catalogue is ``make test-graders``.
 """
+import graders_catalogue as C
 import pytest
 
 from ddplab.checks import CheckFailed
-
-import graders_catalogue as C
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -16,10 +16,14 @@ import warnings
 import pytest
 import torch
 import torch.distributed as dist
-from torch._C._distributed_c10d import (AllgatherOptions, AllreduceOptions, BarrierOptions,
-                                        BroadcastOptions, ReduceScatterOptions)
-
 from _fake_nccl import FakeNCCL, installed
+from torch._C._distributed_c10d import (
+    AllgatherOptions,
+    AllreduceOptions,
+    BarrierOptions,
+    BroadcastOptions,
+    ReduceScatterOptions,
+)
 
 LIMIT = datetime.timedelta(seconds=5)
 

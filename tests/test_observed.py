@@ -156,9 +156,9 @@ class ShortWait(Noting):
 
 
 def _stall():
-    import torch
     import time
 
+    import torch
     import torch.distributed as dist
 
     from ddplab.cluster.observed import observing
@@ -201,9 +201,9 @@ def test_ranks_that_issued_the_same_collectives_are_kept(cluster):
 
 
 def _not_observed():
-    from ddplab.cluster.observed import observing
-
     import torch.distributed as dist
+
+    from ddplab.cluster.observed import observing
 
     plain = dist.new_group(backend="gloo")
     try:

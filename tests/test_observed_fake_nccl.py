@@ -9,12 +9,16 @@ and ranks that issued the same collectives must be kept. (In make check: UNIT_MO
 import itertools
 
 import pytest
+from test_observed import (  # noqa: F401 - the tests, collected here again
+    test_a_plain_group_is_refused_with_a_way_out,
+    test_a_short_timeout_ends_a_stall_and_the_ranks_are_replaced,
+    test_counts_equal_plain_gloo,
+    test_every_spelling_is_seen,
+    test_ranks_that_issued_the_same_collectives_are_kept,
+    test_torch_ddp_buckets_seen_as_its_logging_data_says,
+)
 
 from ddplab.cluster.cluster import Cluster
-from test_observed import (  # noqa: F401 - the tests, collected here again
-    test_a_plain_group_is_refused_with_a_way_out, test_a_short_timeout_ends_a_stall_and_the_ranks_are_replaced,
-    test_counts_equal_plain_gloo, test_every_spelling_is_seen, test_ranks_that_issued_the_same_collectives_are_kept,
-    test_torch_ddp_buckets_seen_as_its_logging_data_says)
 
 _STORES = itertools.count()
 

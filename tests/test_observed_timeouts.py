@@ -113,8 +113,8 @@ def test_a_late_rank_starts_and_a_skipped_collective_stalls_after_the_short_time
 def test_the_nccl_half_gets_the_collective_timeout_and_groups_its_point_to_point():
     """The observing group as an NCCL rank builds it, on one CPU process, NCCL faked."""
     import torch.distributed as dist
-
     from _fake_nccl import FakeNCCL, installed
+
     from ddplab.cluster.observed import ObservedGroup
     from ddplab.cluster.wrapped import CoalescedP2P
 

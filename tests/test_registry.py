@@ -1,7 +1,9 @@
+
 """A strategy defined HERE, in a test file, runs everywhere strategies run: compare() on
 live ranks, the ControlPanel and the command line, without a line of ddplab changing."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -12,9 +14,15 @@ import torch
 import torch.distributed as dist
 
 from ddplab.measure import RunSpec, compare
-from ddplab.sync.registry import (Built, build_strategy, get_strategy, register_strategy,
-                               strategy_names, unregister_strategy)
 from ddplab.sync import comm
+from ddplab.sync.registry import (
+    Built,
+    build_strategy,
+    get_strategy,
+    register_strategy,
+    strategy_names,
+    unregister_strategy,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -117,7 +125,7 @@ def test_run_spec_is_frozen_checked_and_normalized():
     spec = RunSpec("none, ddp", steps=2, warmup=0, link="1gbe", straggler="1:2")
     assert spec.strategies == ("none", "ddp") and spec.warmup == 2  # DDP's first two never count
     assert spec.link.bandwidth_gbps == 1.0 and spec.straggler == (1, 2.0)
-    with pytest.raises(Exception):
+    with pytest.raises(dataclasses.FrozenInstanceError):
         spec.steps = 3  # frozen
     assert spec.replace(steps=3).steps == 3
     assert json.loads(json.dumps(spec.to_dict()))["link"]["simulated"] is True

@@ -9,12 +9,12 @@ the replicas.
 """
 from __future__ import annotations
 
+import _sync_helpers as H
 import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
 
-import _sync_helpers as H
 import ddplab
 from ddplab.sync.core import ShardedOptimizer
 

@@ -5,7 +5,6 @@ own learning rate, and 3 ranks; each after every step against one process and to
 from __future__ import annotations
 
 import pytest
-
 from test_sharded_optimizer import _check, _train
 
 

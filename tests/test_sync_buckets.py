@@ -13,15 +13,21 @@ from __future__ import annotations
 
 import math
 
+import _sync_helpers as H
 import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from ddplab.sync import MB, BucketedDDP, ListRecorder, OverlapDDP, assign_buckets, comm
-from ddplab.sync import average_gradients
-
-import _sync_helpers as H
+from ddplab.sync import (
+    MB,
+    BucketedDDP,
+    ListRecorder,
+    OverlapDDP,
+    assign_buckets,
+    average_gradients,
+    comm,
+)
 
 MLP_NAMES = ["fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias", "fc3.weight", "fc3.bias"]
 # float64 bytes of those, in parameters() order

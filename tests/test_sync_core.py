@@ -10,6 +10,7 @@ forward raises); a model wrapped twice is synchronized once.
 """
 from __future__ import annotations
 
+import _sync_helpers as H
 import pytest
 import torch
 import torch.distributed as dist
@@ -17,8 +18,6 @@ from torch import nn
 
 import ddplab
 from ddplab.sync import core
-
-import _sync_helpers as H
 
 
 @pytest.mark.parametrize("wrapper, option, full", [

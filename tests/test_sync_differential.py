@@ -19,11 +19,10 @@ from __future__ import annotations
 import os
 import pprint
 
+import _differential as D
 import pytest
 
 import ddplab
-
-import _differential as D
 
 N_CASES = int(os.environ.get("DDPLAB_DIFF_CASES", "24"))
 N_PLAIN = int(os.environ.get("DDPLAB_DIFF_PLAIN_CASES", "8"))  # cases the reference accepts

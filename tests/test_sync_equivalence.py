@@ -10,11 +10,10 @@ a wrong divisor or a skipped broadcast gives differences of 1e-3 and up.
 """
 from __future__ import annotations
 
+import _sync_helpers as H
 import pytest
 
 from ddplab.sync import MB
-
-import _sync_helpers as H
 
 TOL = 1e-12
 

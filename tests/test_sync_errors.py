@@ -7,14 +7,13 @@ from __future__ import annotations
 
 import math
 
+import _sync_helpers as H
 import pytest
 import torch
 from torch import nn
 
 import ddplab
 from ddplab.sync import BucketedDDP, OverlapDDP, average_gradients
-
-import _sync_helpers as H
 
 
 @pytest.mark.parametrize("cap", [0, -1.0, math.nan, "25", True, [25]])  # None: torch's default

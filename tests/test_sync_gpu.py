@@ -17,10 +17,10 @@ def _train_on_rank(strategy, steps=4):
     from torch import nn
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from ddplab.sync import BucketedDDP, OverlapDDP, average_gradients, comm
+    from ddplab.sync import BucketedDDP, OverlapDDP, average_gradients
 
     device = ddplab.device()
-    rank, world = dist.get_rank(), dist.get_world_size()
+    rank = dist.get_rank()
 
     def model(seed):
         torch.manual_seed(seed)

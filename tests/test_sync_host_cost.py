@@ -14,7 +14,6 @@ import collections
 
 import pytest
 
-
 # aten ops that move or scale gradient data (forward/backward compute is not counted)
 COPY_OPS = ("copy_", "div", "div_", "mul", "mul_", "_foreach_copy_", "_foreach_div_", "zero_",
             "clone")
@@ -66,7 +65,6 @@ def _mixed_bucket_step(comm_hook):
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
     from ddplab.sync import BucketedDDP
-    from ddplab.sync.bucket import FUSE_BELOW_NUMEL
 
     def build():
         torch.manual_seed(0)  # fc1.weight is large (copied one by one), the rest small (fused)

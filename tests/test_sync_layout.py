@@ -24,8 +24,13 @@ from torch import nn
 
 import ddplab
 from ddplab.sync import core
-from ddplab.sync.layout import (MB, Caps, assign_buckets, compute_bucket_assignment_by_size,
-                                initial_layout)
+from ddplab.sync.layout import (
+    MB,
+    Caps,
+    assign_buckets,
+    compute_bucket_assignment_by_size,
+    initial_layout,
+)
 
 N06 = int(0.6 * MB) // 4  # float32 elements in 0.6 MiB
 
@@ -142,7 +147,7 @@ def _layouts_on_rank(ddp_kw, backwards=False, mixed=False, spare=False):
         wrappers["core"] = core.BucketedDDP(model(), bucket_cap_mb=ddp_kw.get("bucket_cap_mb"))
     names = [n for n, _ in model().named_parameters()]
     seen = {k: [] for k in wrappers}
-    for step in range(4):
+    for _step in range(4):
         x = torch.randn(2, 400)
         for k, w in wrappers.items():
             w(x).sum().backward()

@@ -20,6 +20,7 @@ parameters. float64 tolerance 1e-12, as in test_sync_equivalence.py.
 """
 from __future__ import annotations
 
+import _sync_helpers as H
 import pytest
 import torch
 import torch.distributed as dist
@@ -28,8 +29,6 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks as torch_h
 
 from ddplab.sync import MB, BucketedDDP, assign_buckets, comm, comm_hooks
 from ddplab.sync.bucket import TORCH_DEFAULT_FIRST_BUCKET_MB
-
-import _sync_helpers as H
 
 TOL = 1e-12
 ONE_EACH = 1 / MB  # a 1-byte cap: every parameter in a bucket of its own
@@ -129,7 +128,7 @@ def train_with_option(ours_kw, torch_kw, kind="branchy", pattern="always", steps
         x, y = H.union_batch(step, 4 * ws * micro_steps)
         if kind == "mlp32":
             x, y = x.float(), y.float()
-        kw = (lambda k: {"use_branch": use(step, rank, k)}) if kind == "branchy" else (lambda k: {})
+        kw = (lambda k: {"use_branch": use(step, rank, k)}) if kind == "branchy" else (lambda k: {})  # noqa: B023 (used in this step)
         with comm.counting() as c:
             for k in range(micro_steps):
                 chunk = slice(k * 4 * ws, (k + 1) * 4 * ws)

@@ -15,11 +15,10 @@ happens; the errors do not depend on timing.
 """
 from __future__ import annotations
 
+import _parity_cases as C
 import pytest
 
 from ddplab.sync import MB
-
-import _parity_cases as C
 
 TOL = 1e-12
 ONE_BUCKET = "bucketed:25"

@@ -18,8 +18,8 @@ import uuid
 import pytest
 import torch
 
-from ddplab.notebook import export
 from ddplab.cluster.torchrun import REQUIRED, TorchrunEnvError, init_from_env, read_env
+from ddplab.notebook import export
 
 CELL_1 = """import torch
 import torch.distributed as dist

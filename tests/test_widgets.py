@@ -11,10 +11,26 @@ from pathlib import Path
 import plotly.graph_objects as go
 import pytest
 
-from ddplab.timeline import BucketRecord, IterationRecord, Timeline, add_saved_ms, summarize
-from ddplab.widgets import (ControlPanel, bucket_color, compare_figures, compare_page, compare_report,
-                            efficiency,
-                            scaling_figure, sweep_figure, timeline_figure, to_html, write_html)
+from ddplab.timeline import (
+    BucketRecord,
+    IterationRecord,
+    Timeline,
+    add_saved_ms,
+    summarize,
+)
+from ddplab.widgets import (
+    ControlPanel,
+    bucket_color,
+    compare_figures,
+    compare_page,
+    compare_report,
+    efficiency,
+    scaling_figure,
+    sweep_figure,
+    timeline_figure,
+    to_html,
+    write_html,
+)
 from ddplab.widgets.demo import DemoRunner, expected_buckets
 from ddplab.widgets.gantt import COMM_LABEL, COMM_LABEL_SIMULATED, select_iterations
 from ddplab.widgets.panel import normalize_result

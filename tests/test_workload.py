@@ -85,7 +85,7 @@ def test_the_check_runs_on_the_cpu_or_the_meta_device_never_a_gpu(monkeypatch):
 
 
 def test_the_transformer_has_many_tensors_and_ties_its_output_to_its_embedding():
-    from ddplab.measure.models import build, batch
+    from ddplab.measure.models import batch, build
 
     net = build("transformer", n_layer=2)
     names = [n for n, _ in net.named_parameters()]

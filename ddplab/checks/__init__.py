@@ -27,8 +27,17 @@ principle, but are tested on gloo only).
 References: Stanford CS336 assignment 2 (DDP tests against a single
 process, tied and frozen parameters); torch/testing/_internal/distributed.
 """
-from ddplab.checks.graders import (CheckResult, attempt, check_average_gradients, check_bucketed_ddp,
-                      check_no_sync, check_overlap_ddp, passed, run_exercise, yours_or_ours)
+from ddplab.checks.graders import (
+                      CheckResult,
+                      attempt,
+                      check_average_gradients,
+                      check_bucketed_ddp,
+                      check_no_sync,
+                      check_overlap_ddp,
+                      passed,
+                      run_exercise,
+                      yours_or_ours,
+)
 from ddplab.checks.mistakes import CheckFailed
 from ddplab.checks.workload import loss_fn
 
@@ -53,8 +62,8 @@ from ddplab.checks.compression import check_comm_hook  # noqa: E402
 __all__ += ["check_comm_hook"]
 
 # labs 06 and 08: a loop that agrees on its step count; send/recv between pipeline stages
-from ddplab.checks.pipeline import check_pipeline_step  # noqa: E402
 from ddplab.checks.hangs import check_agreed_steps  # noqa: E402
+from ddplab.checks.pipeline import check_pipeline_step  # noqa: E402
 
 __all__ += ["check_pipeline_step", "check_agreed_steps"]
 

@@ -31,11 +31,11 @@ and timing.
 """
 from __future__ import annotations
 
+from ddplab.checks import graders
+from ddplab.checks.mistakes import NOT_IMPLEMENTED, RAISED, CheckFailed
 from ddplab.cluster.errors import RankError
 from ddplab.cluster.observed import Observing
 from ddplab.cluster.wrapped import payload_bytes
-from ddplab.checks import graders
-from ddplab.checks.mistakes import NOT_IMPLEMENTED, RAISED, CheckFailed
 
 NOT_A_FUTURE = "the hook did not return a future"
 LIST_FUTURE = "the future's value is a list (a Work's future), not the bucket tensor"

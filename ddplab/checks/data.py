@@ -21,9 +21,9 @@ and the running-statistics update.
 """
 from __future__ import annotations
 
-from ddplab.cluster.errors import RankError
 from ddplab.checks import graders
 from ddplab.checks.mistakes import EXPLAIN, NOT_IMPLEMENTED, RAISED, CheckFailed
+from ddplab.cluster.errors import RankError
 
 NO_PADDING = "no padding: ranks get different numbers of samples"
 PAD_FROM_END = "padded with the wrong indices"

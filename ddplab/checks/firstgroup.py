@@ -25,11 +25,18 @@ from __future__ import annotations
 import traceback
 import uuid
 
-from ddplab.cluster.errors import RankDied, RankError
 from ddplab.checks import graders
 from ddplab.checks.mistakes import EXPLAIN, NOT_IMPLEMENTED, RAISED, CheckFailed
-from ddplab.checks.ring import (COLLECTIVE, DEADLOCK, MISSING_WAIT, UNBATCHED, UNGROUPED, UNPAIRED,
-                                judged_for_nccl)
+from ddplab.checks.ring import (
+    COLLECTIVE,
+    DEADLOCK,
+    MISSING_WAIT,
+    UNBATCHED,
+    UNGROUPED,
+    UNPAIRED,
+    judged_for_nccl,
+)
+from ddplab.cluster.errors import RankDied, RankError
 
 FROM_THE_RIGHT = "received from the right instead of the left"
 NOTHING_RETURNED = "the received tensor was not returned"

@@ -21,9 +21,9 @@ from __future__ import annotations
 import dataclasses
 import linecache
 
-from ddplab.cluster.errors import JobTimeout, RankError
 from ddplab.checks import workload as W
 from ddplab.checks.mistakes import HUNG, NOT_IMPLEMENTED, RAISED, CheckFailed, diagnose
+from ddplab.cluster.errors import JobTimeout, RankError
 
 passed: dict = {}  # exercise -> True / False (last verdict in this kernel)
 TITLES = {"all_reduce": "all_reduce", "average_gradients": "average_gradients", "overlap": "OverlapDDP",

@@ -22,9 +22,9 @@ other fix, which keeps every sample by shadowing the missing all-reduces; lab
 """
 from __future__ import annotations
 
-from ddplab.cluster.errors import RankError
 from ddplab.checks.graders import passed  # exercise -> last verdict in this kernel
 from ddplab.checks.mistakes import HUNG, NOT_IMPLEMENTED, CheckFailed
+from ddplab.cluster.errors import RankError
 
 OWN_COUNT = "each rank used its own count"
 MAXIMUM = "the maximum instead of the minimum"

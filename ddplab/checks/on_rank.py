@@ -28,12 +28,12 @@ import traceback
 import torch
 import torch.distributed as dist
 
-from ddplab.timeline.clock import estimate_offsets
-from ddplab.timeline.recorder import Recorder
 from ddplab.checks import workload as W
 from ddplab.checks.mistakes import NOT_IMPLEMENTED, RAISED, CheckFailed
 from ddplab.checks.watch import Stalled, Watch
 from ddplab.cluster.wrapped import timed_out
+from ddplab.timeline.clock import estimate_offsets
+from ddplab.timeline.recorder import Recorder
 
 
 def call(where: str, fn, *args):

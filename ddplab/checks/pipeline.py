@@ -26,9 +26,9 @@ from __future__ import annotations
 
 import uuid
 
-from ddplab.cluster.errors import RankError
 from ddplab.checks.graders import passed  # exercise -> last verdict in this kernel
 from ddplab.checks.mistakes import HUNG, NOT_IMPLEMENTED, RAISED, CheckFailed
+from ddplab.cluster.errors import RankError
 
 NO_REQUIRES_GRAD = "the received activation does not require grad"
 NO_STAGE0_BACKWARD = "stage 0 got no gradient"

@@ -45,9 +45,9 @@ from __future__ import annotations
 
 import traceback
 
-from ddplab.cluster.errors import RankError
 from ddplab.checks import graders
 from ddplab.checks.mistakes import EXPLAIN, NOT_IMPLEMENTED, RAISED, CheckFailed
+from ddplab.cluster.errors import RankError
 
 MIB = 2 ** 20
 FIRST_BUCKET_MB, DEFAULT_CAP_MB = 1, 25

@@ -29,9 +29,9 @@ from __future__ import annotations
 import traceback
 import uuid
 
-from ddplab.cluster.errors import RankDied, RankError
 from ddplab.checks import graders
 from ddplab.checks.mistakes import EXPLAIN, NOT_IMPLEMENTED, RAISED, CheckFailed
+from ddplab.cluster.errors import RankDied, RankError
 
 COLLECTIVE = "a collective instead of send/recv"
 DEADLOCK = "deadlock: every rank sends first"
@@ -114,8 +114,8 @@ def grade_on_rank(fn, cfg: dict) -> list:
     import torch
     import torch.distributed as dist
 
-    from ddplab.lessons import ring as R
     from ddplab.cluster.backend import device
+    from ddplab.lessons import ring as R
 
     rank, p = dist.get_rank(), dist.get_world_size()
     cases = []

@@ -61,7 +61,7 @@ def _grade_on_rank(fn, tag: str) -> dict:
     g = torch.Generator().manual_seed(11)
     out = {"rank": rank, "steps": [], "error": None,
            "param_bytes": sum(p.numel() * p.element_size() for p in params)}
-    for step in range(STEPS):
+    for _step in range(STEPS):
         x, y = torch.randn(8, 6, generator=g, dtype=torch.float64), torch.randn(
             8, 3, generator=g, dtype=torch.float64)
         for m in (model, ref):

@@ -146,7 +146,7 @@ def references(steps: int, n_micro: int = 1, group=None, recorder=None) -> dict:
             for m, (x, y) in enumerate(batches):
                 quiet = ddp.no_sync() if m < n_micro - 1 else _nothing()
                 with quiet:
-                    loss = _stamped(recorder, "forward", lambda: loss_fn(ddp(x), y) / n_micro)
+                    loss = _stamped(recorder, "forward", lambda: loss_fn(ddp(x), y) / n_micro)  # noqa: B023 (called at once)
                     _stamped(recorder, "backward", loss.backward)
         end = tracer.end_iteration()
         if recorder is not None:

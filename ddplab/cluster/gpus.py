@@ -36,7 +36,14 @@ import os
 from dataclasses import dataclass, field
 
 from ddplab.cluster import gpu_locks
-from ddplab.cluster.gpu_facts import BUSY_MIB, GPU, discover, mig_devices, too_few, visible  # noqa: F401 - the public names
+from ddplab.cluster.gpu_facts import (  # noqa: F401 - the public names
+    BUSY_MIB,
+    GPU,
+    discover,
+    mig_devices,
+    too_few,
+    visible,
+)
 
 
 @dataclass(frozen=True)

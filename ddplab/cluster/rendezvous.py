@@ -39,7 +39,6 @@ import os
 import shutil
 import tempfile
 
-
 OWNER = "kernel.pid"  # inside each directory: the process that made it
 
 

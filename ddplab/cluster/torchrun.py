@@ -53,7 +53,6 @@ with the ``env://`` init method; nanoGPT's train.py launch comments.
 """
 from __future__ import annotations
 
-import datetime
 import os
 import sys
 from typing import NamedTuple

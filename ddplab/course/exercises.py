@@ -125,7 +125,7 @@ def generate(labs: pathlib.Path, out: pathlib.Path) -> list:
         from nbgrader.utils import capture_log
         from traitlets.config import Config
     except ImportError as e:
-        raise SystemExit(f"{e}: nbgrader is needed; pip install -c constraints.txt -e '.[test]'")
+        raise SystemExit(f"{e}: nbgrader is needed; pip install -c constraints.txt -e '.[test]'") from e
     with tempfile.TemporaryDirectory(prefix="ddplab-nbgrader-") as tmp:
         course = pathlib.Path(tmp)
         source = course / "source" / ASSIGNMENT

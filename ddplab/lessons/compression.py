@@ -61,8 +61,8 @@ def hook_on_rank(hook="none", bucket_cap_mb: float = 0.01) -> dict:
     gradient bytes and calls, and the relative error against the exact float64 mean."""
     import torch.distributed as dist
 
-    from ddplab.sync.registry import build_strategy
     from ddplab.sync import comm_hooks
+    from ddplab.sync.registry import build_strategy
 
     rank = dist.get_rank()
     model = build_strategy("bucketed", wide_net().to(device()), bucket_cap_mb=bucket_cap_mb).model

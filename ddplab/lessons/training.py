@@ -25,12 +25,10 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
-from ddplab.sync.registry import Strategy, build_strategy
-from ddplab.cluster.backend import device
 from ddplab.lessons.common import tiny_batch, tiny_net
 from ddplab.sync import comm
+from ddplab.sync.registry import Strategy, build_strategy
 
 
 def _wrap(strategy, model, bucket_cap_mb=0.001, recorder=None):

@@ -29,8 +29,8 @@ from __future__ import annotations
 import dataclasses
 import json
 
-from ddplab.timeline import Timeline, add_saved_ms, summarize
 from ddplab.measure.spec import RunSpec, parse_straggler  # noqa: F401 - parse_straggler: public before RunSpec
+from ddplab.timeline import Timeline, add_saved_ms, summarize
 
 TORCH_DEFAULT_CAP_MB = 25.0
 
@@ -85,11 +85,11 @@ def run_on_rank(spec: RunSpec, strategies: dict | None = None) -> dict:
     """
     import torch.distributed as dist
 
-    from ddplab.netsim.simulated import SimulatedLink
-    from ddplab.sync.registry import get_strategy
-    from ddplab.sync import comm
-    from ddplab.timeline.clock import estimate_offsets
     from ddplab.measure.runners import StrategyRunner
+    from ddplab.netsim.simulated import SimulatedLink
+    from ddplab.sync import comm
+    from ddplab.sync.registry import get_strategy
+    from ddplab.timeline.clock import estimate_offsets
 
     _wait_for_start_up_imports()
     from ddplab.cluster.backend import backend_name

@@ -53,11 +53,17 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from ddplab.measure.recording_end import (DESTROYED, FINISH_TIMEOUT_S, UNFINISHED, gather,
-                                           group_alive, machine)
+from ddplab.measure.recording_end import (
+    DESTROYED,
+    FINISH_TIMEOUT_S,
+    UNFINISHED,
+    gather,
+    group_alive,
+    machine,
+)
 from ddplab.timeline.clock import now
-from ddplab.timeline.records import GradRecord, Timeline
 from ddplab.timeline.recorder import Recorder
+from ddplab.timeline.records import GradRecord, Timeline
 from ddplab.timeline.trace import write_chrome_trace
 
 NOT_MEASURED = ("a comm hook was registered before ddplab.record() was called, so the recorder "

@@ -38,11 +38,10 @@ import time
 import torch
 
 from ddplab.cluster.observed import observed
-from ddplab.contracts.clock import now
+from ddplab.measure import workload
 from ddplab.sync import comm
 from ddplab.timeline.on_group import GroupRecorder
 from ddplab.timeline.recorder import Recorder
-from ddplab.measure import workload
 
 TRACED_SUFFIX = "_traced"  # the drawn copy of a strategy timed without recording
 # where a row's all-reduces were counted and stamped

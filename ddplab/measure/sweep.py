@@ -19,10 +19,10 @@ from __future__ import annotations
 
 import statistics
 
+from ddplab.measure.compare import compare
 from ddplab.netsim import LinkModel
 from ddplab.netsim.costmodel import predict_step
 from ddplab.timeline.metrics import scaling_efficiency
-from ddplab.measure.compare import compare
 
 
 def _ready_profile(tl, iteration_numbers):

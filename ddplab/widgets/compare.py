@@ -21,8 +21,15 @@ import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
 from ddplab.timeline import Timeline
-from ddplab.widgets.gantt import (flagged_spans, gantt_traces, mark_flagged, origin_of, run_labels,
-                    select_iterations, style_rows)
+from ddplab.widgets.gantt import (
+    flagged_spans,
+    gantt_traces,
+    mark_flagged,
+    origin_of,
+    run_labels,
+    select_iterations,
+    style_rows,
+)
 
 METRICS = (("step_ms", "step time", "#4a4a4a"),
            ("exposed_comm_ms", "exposed comm<br>(after backward)", "#d95f02"),

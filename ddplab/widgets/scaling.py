@@ -21,9 +21,8 @@ from __future__ import annotations
 
 import plotly.graph_objects as go
 
-from ddplab.widgets.gantt import with_link_label
-
 from ddplab.timeline.metrics import scaling_efficiency, world_size_pairs
+from ddplab.widgets.gantt import with_link_label
 
 COLORS = {"strong": "#2b6cb0", "weak": "#2ca02c"}
 LABELS = {"strong": "strong scaling (fixed global batch)", "weak": "weak scaling (fixed batch per rank)"}

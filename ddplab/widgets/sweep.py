@@ -26,9 +26,9 @@ from __future__ import annotations
 import math
 
 import plotly.graph_objects as go
+from plotly.subplots import make_subplots
 
 from ddplab.widgets.gantt import with_link_label
-from plotly.subplots import make_subplots
 
 KEYS = (("step_ms", "step time (ms)"), ("exposed_comm_ms", "exposed communication (ms)"))
 MEASURED_COLOR, PREDICTED_COLOR = "#2b6cb0", "#f28e2b"
@@ -72,7 +72,7 @@ def sweep_figure(bucket_cap_mb, measured=None, predicted=None, simulated_link=No
     fig = make_subplots(rows=1, cols=2, shared_xaxes=True, horizontal_spacing=0.1,
                         subplot_titles=[label for _, label in KEYS])
     nb = m.get("n_buckets")
-    for col, (key, label) in enumerate(KEYS, start=1):
+    for col, (key, _label) in enumerate(KEYS, start=1):
         if key in m:
             ys = [m[key][i] for i in order]
             extra = [nb[i] for i in order] if nb else ["?"] * len(xs)
