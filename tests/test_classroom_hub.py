@@ -149,7 +149,7 @@ def test_two_learners_on_a_real_hub_then_autograde_then_cull(tmp_path):
                            if c.metadata.get("nbgrader", {}).get("solution"))
                 run_cells(page, sol, 2)
                 pages[user].sol = sol
-            for user, page in pages.items():
+            for page in pages.values():
                 page.wait_for_function(DONE_JS, arg=[page.sol, 2], timeout=240_000)
             for user, page in pages.items():
                 text = page.locator(".jp-NotebookPanel:not(.lm-mod-hidden) .jp-Cell").nth(
