@@ -5,15 +5,7 @@ Start ranks from a notebook (``Cluster``), synchronize gradients three ways
 torch's own DDP on recorded timelines. See README.md and labs/.
 """
 from ddplab import _moved
-from ddplab.cluster import (
-    Cluster,
-    ClusterError,
-    CollectiveTimeout,
-    JobTimeout,
-    RankDied,
-    RankError,
-    launch,
-)
+from ddplab.cluster import Cluster, ClusterError, CollectiveTimeout, JobTimeout, RankDied, RankError, launch
 from ddplab.cluster.backend import backend_name, device
 from ddplab.cluster.torchrun import init_from_env
 from ddplab.course.labsetup import lab_world_size, runs_here

@@ -30,14 +30,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks as torch_hooks
 
-from ddplab.sync import (
-    BucketedDDP,
-    OverlapDDP,
-    average_gradients,
-    broadcast_parameters,
-    comm_hooks,
-    core,
-)
+from ddplab.sync import BucketedDDP, OverlapDDP, average_gradients, broadcast_parameters, comm_hooks, core
 
 IN, OUT, STEPS = 5, 3, 3
 CAPS = [1e-6, 0.0003, 0.002, 25.0]  # MB: a bucket per parameter ... one bucket

@@ -19,15 +19,7 @@ import shutil
 
 import nbformat
 import pytest
-from _browser import (
-    ARTIFACTS,
-    KERNEL_IDLE_JS,
-    ROOT,
-    notebook_errors,
-    open_notebook,
-    run_all_cells,
-    save_screenshots,
-)
+from _browser import ARTIFACTS, KERNEL_IDLE_JS, ROOT, notebook_errors, open_notebook, run_all_cells, save_screenshots
 
 from ddplab.course import exercises
 

@@ -296,10 +296,7 @@ def test_pipeline_recv_without_send_is_a_hang(cluster):
 # -- the experiments behind the labs --------------------------------------------------------
 def _counted_without_patching():
     import torch
-    from torch.distributed import (  # bound before the block: nothing to patch
-        irecv,
-        isend,
-    )
+    from torch.distributed import irecv, isend  # bound before the block: nothing to patch
 
     before = (dist.send, dist.recv, dist.isend, dist.irecv)
     peer = 1 - dist.get_rank()

@@ -27,7 +27,7 @@ MODULES = {
     2: {"ddplab.timeline": ["", "clock", "cuda_events", "metrics", "on_group", "op_bytes", "recorder", "records",
                            "trace"]},
     3: {"ddplab.sync": ["", "_common", "bucket", "bucketed", "comm", "comm_hooks", "ddp_trace",
-                        "layout", "links", "manual", "overlap", "registry", "sparse", "unused", "yours",
+                        "layout", "links", "manual", "overlap", "registry", "sharded_rows", "sparse", "unused", "yours",
                         "unused_policy"],
         "ddplab.sync.core": ["", "average", "bucketed", "fsdp", "overlap", "sharded_optimizer"]},
     4: {"ddplab.measure": ["", "compare", "models", "profile", "recording", "recording_end", "report", "runners", "spec",

@@ -150,12 +150,7 @@ def test_the_reference_ring_sends_each_exchange_as_one_group(cluster):
 
 # -- the grader, judging for NCCL on gloo ranks ----------------------------------------------
 def ring_p2pop(t):
-    from torch.distributed import (  # imported names
-        P2POp,
-        batch_isend_irecv,
-        irecv,
-        isend,
-    )
+    from torch.distributed import P2POp, batch_isend_irecv, irecv, isend  # imported names
 
     rank, p = dist.get_rank(), dist.get_world_size()
     chunks = torch.tensor_split(t, p)

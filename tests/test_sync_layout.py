@@ -24,13 +24,7 @@ from torch import nn
 
 import ddplab
 from ddplab.sync import core
-from ddplab.sync.layout import (
-    MB,
-    Caps,
-    assign_buckets,
-    compute_bucket_assignment_by_size,
-    initial_layout,
-)
+from ddplab.sync.layout import MB, Caps, assign_buckets, compute_bucket_assignment_by_size, initial_layout
 
 N06 = int(0.6 * MB) // 4  # float32 elements in 0.6 MiB
 

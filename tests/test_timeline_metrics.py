@@ -5,14 +5,7 @@ import math
 import pytest
 
 from ddplab.netsim import LinkModel, LinkQueue
-from ddplab.timeline import (
-    BucketRecord,
-    IterationRecord,
-    Timeline,
-    add_saved_ms,
-    summarize,
-    to_chrome_trace,
-)
+from ddplab.timeline import BucketRecord, IterationRecord, Timeline, add_saved_ms, summarize, to_chrome_trace
 from ddplab.timeline.metrics import intersection_length, union
 
 

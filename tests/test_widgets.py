@@ -11,13 +11,7 @@ from pathlib import Path
 import plotly.graph_objects as go
 import pytest
 
-from ddplab.timeline import (
-    BucketRecord,
-    IterationRecord,
-    Timeline,
-    add_saved_ms,
-    summarize,
-)
+from ddplab.timeline import BucketRecord, IterationRecord, Timeline, add_saved_ms, summarize
 from ddplab.widgets import (
     ControlPanel,
     bucket_color,

@@ -295,9 +295,7 @@ def main(argv=None) -> int:
 
 
 def run_steps(runner: Runner, args, out: Path | None, work: Path) -> None:
-    from gpu_check_steps import (
-        steps,  # beside this file: each step's command and its judgement
-    )
+    from gpu_check_steps import steps  # beside this file: each step's command and its judgement
 
     plan = {s.name: s for s in PLAN}
     if args.python:

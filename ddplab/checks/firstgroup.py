@@ -27,15 +27,7 @@ import uuid
 
 from ddplab.checks import graders
 from ddplab.checks.mistakes import EXPLAIN, NOT_IMPLEMENTED, RAISED, CheckFailed
-from ddplab.checks.ring import (
-    COLLECTIVE,
-    DEADLOCK,
-    MISSING_WAIT,
-    UNBATCHED,
-    UNGROUPED,
-    UNPAIRED,
-    judged_for_nccl,
-)
+from ddplab.checks.ring import COLLECTIVE, DEADLOCK, MISSING_WAIT, UNBATCHED, UNGROUPED, UNPAIRED, judged_for_nccl
 from ddplab.cluster.errors import RankDied, RankError
 
 FROM_THE_RIGHT = "received from the right instead of the left"

@@ -52,13 +52,7 @@ import weakref
 from ddplab.cluster import diagnosis, lifecycle, resources, subset
 from ddplab.cluster import gpus as gpu_placement
 from ddplab.cluster.answers import GRACE_S, collect_answers  # noqa: F401 - GRACE_S kept importable here
-from ddplab.cluster.errors import (
-    ClusterError,
-    CollectiveTimeout,
-    JobTimeout,
-    RankDied,
-    RankError,
-)
+from ddplab.cluster.errors import ClusterError, CollectiveTimeout, JobTimeout, RankDied, RankError
 from ddplab.cluster.generations import Generations
 from ddplab.cluster.process import RankProcesses
 

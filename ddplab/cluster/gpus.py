@@ -36,14 +36,7 @@ import os
 from dataclasses import dataclass, field
 
 from ddplab.cluster import gpu_locks
-from ddplab.cluster.gpu_facts import (  # noqa: F401 - the public names
-    BUSY_MIB,
-    GPU,
-    discover,
-    mig_devices,
-    too_few,
-    visible,
-)
+from ddplab.cluster.gpu_facts import BUSY_MIB, GPU, discover, mig_devices, too_few, visible  # noqa: F401 - the public names
 
 
 @dataclass(frozen=True)

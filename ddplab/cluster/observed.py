@@ -61,14 +61,7 @@ import torch.distributed as dist
 
 from ddplab.cluster import wrapped
 from ddplab.cluster.observed_work import ObservedWork, Observing, completed  # noqa: F401 - public here too
-from ddplab.cluster.wrapped import (
-    CoalescedP2P,
-    close_open_blocks,
-    gloo_group,
-    nccl_group,
-    route,
-    seconds,
-)
+from ddplab.cluster.wrapped import CoalescedP2P, close_open_blocks, gloo_group, nccl_group, route, seconds
 
 BACKENDS = {"ddplab_gloo": "gloo", "ddplab_nccl": "cpu:gloo,cuda:nccl"}
 LIVE: "weakref.WeakSet" = weakref.WeakSet()  # this process's observing groups (subgroups too)

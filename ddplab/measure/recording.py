@@ -53,14 +53,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from ddplab.measure.recording_end import (
-    DESTROYED,
-    FINISH_TIMEOUT_S,
-    UNFINISHED,
-    gather,
-    group_alive,
-    machine,
-)
+from ddplab.measure.recording_end import DESTROYED, FINISH_TIMEOUT_S, UNFINISHED, gather, group_alive, machine
 from ddplab.timeline.clock import now
 from ddplab.timeline.recorder import Recorder
 from ddplab.timeline.records import GradRecord, Timeline

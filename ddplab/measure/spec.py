@@ -101,9 +101,7 @@ class RunSpec:
             raise ValueError(f"straggler rank {self.straggler[0]} is not a rank of this "
                              f"{self.world_size}-rank run")
         if not isinstance(self.model, str) or self.batch is not None or self.loss is not None:
-            from ddplab.measure.workload import (
-                check,  # imports torch: only for user code
-            )
+            from ddplab.measure.workload import check  # imports torch: only for user code
 
             check(self.model, self.batch, self.loss, self.batch_size, self.seed,
                   tuple(self.model_kwargs.items()))

@@ -46,12 +46,7 @@ from __future__ import annotations
 import torch
 
 from ddplab.sync import comm
-from ddplab.sync.layout import (  # noqa: F401
-    MB,
-    TORCH_DEFAULT_FIRST_BUCKET_MB,
-    assign_buckets,
-    check_bucket_cap,
-)
+from ddplab.sync.layout import MB, TORCH_DEFAULT_FIRST_BUCKET_MB, assign_buckets, check_bucket_cap  # noqa: F401
 from ddplab.sync.sparse import not_sparse_error
 
 # Smaller gradients are copied by one fused call per bucket, larger ones one

@@ -14,12 +14,7 @@ from __future__ import annotations
 
 import inspect
 
-from ddplab.sync.registry import (
-    Strategy,
-    get_strategy,
-    register_strategy,
-    strategy_names,
-)
+from ddplab.sync.registry import Strategy, get_strategy, register_strategy, strategy_names
 
 _YOURS: set = set()  # names registered by as_strategy: running its cell again replaces them
 

@@ -1,10 +1,5 @@
 """Timelines: per-rank, per-bucket records, clock alignment, metrics, Chrome-trace export."""
-from ddplab.timeline.metrics import (
-           add_saved_ms,
-           iteration_metrics,
-           scaling_efficiency,
-           summarize,
-)
+from ddplab.timeline.metrics import add_saved_ms, iteration_metrics, scaling_efficiency, summarize
 from ddplab.timeline.records import BucketRecord, GradRecord, IterationRecord, Timeline
 from ddplab.timeline.trace import to_chrome_trace, write_chrome_trace
 

@@ -15,9 +15,7 @@ from __future__ import annotations
 
 import statistics
 
-from ddplab.contracts.clock import (
-    now,  # the one clock every stamp uses (re-exported here)
-)
+from ddplab.contracts.clock import now  # the one clock every stamp uses (re-exported here)
 
 __all__ = ["now", "estimate_offsets"]
 

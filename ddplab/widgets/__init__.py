@@ -13,11 +13,7 @@
 Nothing here trains or imports torch.distributed; torch code never imports
 this package.
 """
-from ddplab.widgets.compare import (
-           compare_figures,
-           compare_timelines_figure,
-           metrics_figure,
-)
+from ddplab.widgets.compare import compare_figures, compare_timelines_figure, metrics_figure
 from ddplab.widgets.gantt import bucket_color, timeline_figure
 from ddplab.widgets.html import compare_page, compare_report, to_html, write_html
 from ddplab.widgets.live import refresh

@@ -23,13 +23,7 @@ import random
 
 from ddplab.netsim import LinkModel
 from ddplab.sync.registry import get_strategy
-from ddplab.timeline import (
-    BucketRecord,
-    IterationRecord,
-    Timeline,
-    add_saved_ms,
-    summarize,
-)
+from ddplab.timeline import BucketRecord, IterationRecord, Timeline, add_saved_ms, summarize
 
 FAKE_CPU_BYTES_PER_S = 1.5e9  # an invented "real gloo on CPU" speed
 

@@ -85,9 +85,7 @@ class ControlPanel:
                  link="10gbe", steps=5, iterations=1, max_world_size=8, usable_cpus=None,
                  extra_config=None, model=None, batch=None, loss=None):
         if usable_cpus is None:
-            from ddplab.cluster.resources import (
-                usable_cpus as _usable,  # no torch imported
-            )
+            from ddplab.cluster.resources import usable_cpus as _usable  # no torch imported
 
             usable_cpus = _usable()
         if world_size is None:
@@ -177,9 +175,7 @@ class ControlPanel:
         """The RunSpec for ``config`` (default: the widgets' values); raises on a bad value."""
         import dataclasses
 
-        from ddplab.measure.spec import (
-            RunSpec,  # imports torch: only when a run is asked for
-        )
+        from ddplab.measure.spec import RunSpec  # imports torch: only when a run is asked for
 
         config = self.config() if config is None else config
         fields = {f.name for f in dataclasses.fields(RunSpec)}

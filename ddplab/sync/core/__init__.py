@@ -26,11 +26,7 @@ implementation that does (``ddplab.average_gradients``, ``ddplab.OverlapDDP``,
 exactly like these and like torch's DistributedDataParallel
 (tests/test_sync_differential.py).
 """
-from ddplab.sync.core.average import (
-                                      average_gradients,
-                                      average_gradients_flat,
-                                      broadcast_parameters,
-)
+from ddplab.sync.core.average import average_gradients, average_gradients_flat, broadcast_parameters
 from ddplab.sync.core.bucketed import BucketedDDP, compute_bucket_assignment_by_size
 from ddplab.sync.core.fsdp import FSDP
 from ddplab.sync.core.overlap import OverlapDDP
