@@ -24,8 +24,9 @@ Teaches what a one-server JupyterHub for ddplab needs and why:
   (:mod:`ddplab.course.proxy_guard`): a server's SIGTERM stops its kernels, a kernel's end
   stops its ranks;
 - the two views: learners' servers read ``learner-config/`` (nbgrader's exchange, the student
-  id, Formgrader and Create Assignment switched off), the instructor's reads the course's
-  own nbgrader config (Formgrader on the course).
+  id, Formgrader and Create Assignment switched off); the instructor's opens on the class
+  folder and reads the course's own nbgrader config (Formgrader works only on a course
+  inside the server's root).
 
 Leaves out: Kubernetes (zero-to-jupyterhub), LTI, OAuth log-in.
 References: JupyterHub's configuration reference (Authenticator, Spawner, ssl_cert);
@@ -189,6 +190,8 @@ def render(*, folder: str, learners: list[str], admin: str, gpus_per_learner: in
     if spawner == "systemd":
         lines.append("    spawner.unit_extra_properties = {'AllowedCPUs': ','.join(map(str, seat.cpus))}")
     lines += [
+        "    if spawner.user.name == INSTRUCTOR:  # Formgrader wants the course inside the server's root",
+        "        spawner.notebook_dir = str(HERE)",
         "    spawner.log.info('ddplab seat for %s: GPUs [%s], CPUs %s %s', seat.user,",
         "                     ','.join(seat.gpus), seat.cpus, seat.note)",
         "",
