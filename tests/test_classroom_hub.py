@@ -3,8 +3,8 @@
 The class is what the command writes without options about safety: each learner a Unix account of
 their own (created here, deleted at the end), PAM log-in with the generated passwords, the course
 folder the instructor's alone. The hub runs on loopback with configurable-http-proxy from `npm ci
---prefix proxy`, jupyterhub-idle-culler, and a fake nvidia-smi on the hub's PATH showing two idle
-GPUs, one per learner (the learners' servers see no nvidia-smi, so their ranks run gloo on CPU while
+--prefix proxy`, jupyterhub-idle-culler, and a fake nvidia-smi on the hub's PATH showing three idle
+GPUs, one per server (the learners' servers see no nvidia-smi, so their ranks run gloo on CPU while
 CUDA_VISIBLE_DEVICES still says which GPU the hub gave them).
 
 1. The instructor releases lab 00; each learner fetches it (nbgrader, as that learner's account).
@@ -47,7 +47,7 @@ from ddplab.course import accounts
 pytestmark = [pytest.mark.slow, pytest.mark.hub, pytest.mark.skipif(
     not os.environ.get("DDPLAB_HUB_TEST"), reason="runs under make test-hub (DDPLAB_HUB_TEST=1)")]
 PROXY = room.ROOT / "proxy" / "node_modules" / ".bin" / "configurable-http-proxy"
-GPU_OF = {"learner01": "GPU-0000aaaa", "learner02": "GPU-0001aaaa"}
+LEARNERS = ("learner01", "learner02")
 INSTRUCTOR = "instructor"
 DDP_CELLS = ["%load_ext ddplab\n%ddp_start 2 --backend gloo",
              "%%ddp\nimport os\n(rank, os.getpid(), os.environ['CUDA_VISIBLE_DEVICES'])"]
@@ -79,7 +79,7 @@ def require_accounts():
                    "this test from an environment they can run (make test-hub builds .venv-hub)")
     if why:
         need(f"learners as Unix accounts cannot be tested here: {why}")
-    taken = [n for n in [*GPU_OF, INSTRUCTOR] if accounts.exists(n)]
+    taken = [n for n in [*LEARNERS, INSTRUCTOR] if accounts.exists(n)]
     if taken:
         pytest.fail(f"Unix accounts {taken} exist already: a leftover of an earlier run? "
                     "(userdel --remove NAME as root, if they are)")
@@ -174,15 +174,15 @@ def test_a_safe_class_two_learners_on_a_real_hub_sigkill_then_autograde():
     folder, hub, log = base / "class", None, None
     try:
         roster = base / "roster.txt"
-        roster.write_text("\n".join(GPU_OF) + "\n")
+        roster.write_text("\n".join(LEARNERS) + "\n")
         out = room.classroom(folder, "--roster", str(roster), "--instructor", INSTRUCTOR,
                              "--gpus-per-learner", "1", "--threads", "1", "--port", str(free_port()),
                              "--idle-timeout", "600", "--proxy", str(PROXY))
         assert out.returncode == 0, out.stderr
         passwords = room.passwords(out.stdout)
-        assert set(passwords) == {*GPU_OF, INSTRUCTOR}, out.stdout
+        assert set(passwords) == {*LEARNERS, INSTRUCTOR}, out.stdout
         assert "learner01" in (folder / "accounts.txt").read_text()
-        for user in GPU_OF:
+        for user in LEARNERS:
             assert (folder / "homes" / user).stat().st_mode & 0o777 == 0o700
         assert (folder / "course").stat().st_mode & 0o777 == 0o700
         token = "hubtest" + os.urandom(8).hex()
@@ -204,7 +204,7 @@ def test_a_safe_class_two_learners_on_a_real_hub_sigkill_then_autograde():
         nbgrader(INSTRUCTOR, "generate_assignment", room.LAB, "--force")
         nbgrader(INSTRUCTOR, "release_assignment", room.LAB, "--force")
         firsts = {}
-        for user in GPU_OF:
+        for user in LEARNERS:
             nbgrader(user, "fetch_assignment", room.LAB)
             home = folder / "homes" / user
             fetched = home / room.LAB / f"{room.LAB}.ipynb"
@@ -220,7 +220,7 @@ def test_a_safe_class_two_learners_on_a_real_hub_sigkill_then_autograde():
         fakebin = base / "fakebin"
         fakebin.mkdir()
         from test_classroom import fake_smi
-        fake_smi(fakebin, 2)
+        fake_smi(fakebin, 3)  # one GPU for each server, the instructor's too
         env = dict(room.env(), DDPLAB_HUB_ACTIVITY_INTERVAL="5")
         hub_env = dict(env, PATH=f"{fakebin}{os.pathsep}{env['PATH']}")
         # the ports are chosen now, not before the slow steps above (other jobs take free ports)
@@ -241,7 +241,7 @@ def test_a_safe_class_two_learners_on_a_real_hub_sigkill_then_autograde():
             refused(browser, url, "learner01", passwords["learner02"])      # someone else's password
             refused(browser, url, "learner01", "")                          # no password
             pages = {}
-            for user in GPU_OF:
+            for user in LEARNERS:
                 page = log_in(browser, url, user, passwords[user])
                 page.wait_for_url(re.compile(rf".*/user/{user}/lab.*"), timeout=120_000)
                 page.goto(f"{url}/user/{user}/lab/tree/{room.LAB}/{room.LAB}.ipynb")
@@ -262,25 +262,28 @@ def test_a_safe_class_two_learners_on_a_real_hub_sigkill_then_autograde():
                 run_cells(page, sols[user], 2)
             for user, page in pages.items():
                 page.wait_for_function(DONE_JS, arg=[sols[user], 2], timeout=240_000)
+            gpu_of = {}
             for user, page in pages.items():
                 text = page.locator(CELLS).nth(firsts[user] + 2).inner_text()
-                other = next(g for u, g in GPU_OF.items() if u != user)
-                assert GPU_OF[user] in text and other not in text, (user, text)
+                seen = set(re.findall(r"'(GPU-\d{4}aaaa)'", text))
+                assert len(seen) == 1, (user, text)  # both ranks of a learner see the learner's GPU
+                gpu_of[user] = seen.pop()
                 rank_pids[user] = [int(p) for p in re.findall(r"\(\d, (\d+), ", text)]
                 assert len(rank_pids[user]) == 2, text
                 grader = page.locator(CELLS).nth(sols[user] + 1).inner_text()
                 assert ("not implemented yet" in grader) == (user == "learner02"), grader
+            assert gpu_of["learner01"] != gpu_of["learner02"], gpu_of  # never the other's
             peek = pages["learner01"].locator(CELLS).nth(firsts["learner01"] + 3).inner_text()
             for what in ("home", "source", "gradebook"):
                 assert f"PermissionError {what}" in peek, peek
-            assert "READ" not in peek, peek
+            assert not re.search(r"^READ ", peek, re.M), peek  # (the cell's own text says READ too)
             # the instructor's JupyterLab serves Formgrader on the course (the released lab in it)
             _wait(lambda: api(url, token, f"/users/{INSTRUCTOR}")["servers"].get("", {}).get("ready"),
                   120, "the instructor's server did not start", folder)
             assert room.LAB in api(url, token, f"/user/{INSTRUCTOR}/formgrader/api/assignments",
                                    server=True)
         # SIGKILL: the hub cannot clean up; everything it started must stop by itself
-        uids = {pwd.getpwnam(u).pw_uid for u in [*GPU_OF, INSTRUCTOR]}
+        uids = {pwd.getpwnam(u).pw_uid for u in [*LEARNERS, INSTRUCTOR]}
         procs = class_processes(hub.pid, uids)
         pids = {pid for pid, _ in procs}
         assert all(p in pids for ps in rank_pids.values() for p in ps), (rank_pids, pids)
@@ -296,14 +299,14 @@ def test_a_safe_class_two_learners_on_a_real_hub_sigkill_then_autograde():
         assert not left, f"30 s after the hub's SIGKILL these are left: {left}"
         gone_s = time.monotonic() - killed
         # the learners submit, the instructor collects and autogrades
-        for user in GPU_OF:
+        for user in LEARNERS:
             nbgrader(user, "submit", room.LAB)
         collected = nbgrader(INSTRUCTOR, "collect", room.LAB)
         assert "cheating" not in collected, collected
-        for user in GPU_OF:
+        for user in LEARNERS:
             assert (course / "submitted" / user / room.LAB / f"{room.LAB}.ipynb").is_file()
         nbgrader(INSTRUCTOR, "autograde", room.LAB, "--force")
-        scores = room.scores(course, list(GPU_OF))
+        scores = room.scores(course, list(LEARNERS))
         assert scores == {"learner01": float(sum(room.points().values())), "learner02": 0.0}
         print(f"hub test: {time.monotonic() - start:.0f} s; everything gone {gone_s:.1f} s after "
               f"the hub's SIGKILL; scores {scores}")
@@ -312,9 +315,11 @@ def test_a_safe_class_two_learners_on_a_real_hub_sigkill_then_autograde():
             _stop(hub)
         if log is not None:
             log.close()
+            if sys.exc_info()[0] is not None:  # the hub's and the servers' log, before it is deleted
+                print((folder / "hub.log").read_text()[-6000:])
         room.classroom(folder, "--delete-accounts")  # the accounts, their homes, their processes
         shutil.rmtree(base, ignore_errors=True)
-    assert not [n for n in [*GPU_OF, INSTRUCTOR] if accounts.exists(n)], "accounts left behind"
+    assert not [n for n in [*LEARNERS, INSTRUCTOR] if accounts.exists(n)], "accounts left behind"
 
 
 def _up(url):
