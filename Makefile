@@ -94,11 +94,18 @@ test-labs-ws1: $(STAMP)
 
 # A real JupyterHub from `python -m ddplab classroom`: two learners in Chromium, nbgrader
 # autograde, the idle culler. The proxy is npm's configurable-http-proxy from proxy/'s lockfile.
+# The real hub's learners are Unix accounts of their own: their servers run from .venv-hub, built
+# from the system's Python so that every account can run it (a pyenv Python under /root is not).
+HUB_PYTHON ?= /usr/bin/python3
+HUB_VENV   ?= .venv-hub
+HUB_SUDO   := $(if $(filter 0,$(shell id -u)),,sudo -E)  # it creates and deletes Unix accounts
 test-hub: $(STAMP)
 	$(PY) -m pip install --quiet -c constraints.txt -e '.[classroom]'
+	test -x $(HUB_VENV)/bin/python || $(HUB_PYTHON) -m venv $(HUB_VENV)
+	$(HUB_VENV)/bin/python -m pip install --quiet -c constraints.txt -e '.[lab,test,browser,classroom]'
 	npm ci --prefix proxy --no-audit --no-fund
-	DDPLAB_HUB_TEST=1 $(PY) -m pytest -q tests/test_classroom_hub.py tests/test_classroom_grading.py \
-	  tests/test_classroom_exchange.py
+	DDPLAB_HUB_TEST=1 $(HUB_SUDO) $(HUB_VENV)/bin/python -m pytest -q -p no:cacheprovider tests/test_classroom_hub.py
+	DDPLAB_HUB_TEST=1 $(PY) -m pytest -q tests/test_classroom_grading.py tests/test_classroom_exchange.py
 
 # A real Slurm (Debian's slurm-wlm and munge, apt-installed when missing; root): munged,
 # slurmctld and two emulated nodes on 127.0.0.1, started and stopped by the test. A lab's cells
@@ -148,4 +155,4 @@ bench: $(STAMP)
 	$(PY) benchmarks/whatif.py
 
 clean:
-	rm -rf $(VENV) $(GPU_VENV) .pytest_cache build *.egg-info test-artifacts
+	rm -rf $(VENV) $(GPU_VENV) $(HUB_VENV) .pytest_cache build *.egg-info test-artifacts
