@@ -45,7 +45,10 @@ API for tests, and for the recording's CUDA-event stamping (tests/_fake_cuda.py)
   whose streams the works use (else streams are plain labels).
 - ``FakeNCCL.instances`` (every one made), ``.ops`` ((op, blocking) in issue
   order), ``.works``, ``.env`` (the TORCH_NCCL_* settings it was made under), ``.barrier_devices``, ``.connected``, ``.shut``,
-  ``.aborted``, ``.stream`` (the group's NCCL stream).
+  ``.aborted``, ``.stream`` (the group's NCCL stream). With ``cuda``, an op
+  queued on a stream keeps it busy ``FakeNCCL.op_seconds`` after the later of the
+  host's now and what that stream (for an async op, also the caller's current
+  stream, which NCCL's waits for) already holds.
 - ``FakeWork.stream``: where the op ran: the caller's current stream for a
   blocking op, the group's NCCL stream otherwise; ``.op``, ``.seq``,
   ``.outputs``, ``.enqueued_at`` (time.monotonic()).
@@ -100,6 +103,7 @@ class FakeNCCL:
     groups_ended_by_connect = 0
     device_count = 2
     cuda = None  # a tests/_fake_cuda.Device, when streams should be modelled
+    op_seconds = 0.0  # with ``cuda``: how long each op keeps its stream busy (device seconds)
 
     def __init__(self, store, rank, size, options):
         self.store, self.rank_, self.size_, self.options = store, rank, size, options
@@ -148,6 +152,10 @@ class FakeNCCL:
             else self.stream
         work = FakeWork(self, op, outputs, stream)
         self.works.append(work)
+        if self.cuda is not None:  # the device's side: where and when the op runs
+            if not blocking:  # ProcessGroupNCCL makes its stream wait for the caller's
+                stream.busy_until = max(stream.busy_until, self.cuda.current.busy_until)
+            stream.busy_until = max(stream.busy_until, self.cuda.clock()) + self.op_seconds
         if self._thread.depth:  # joins the open group, whoever opened it
             self._thread.pending.append((self, op, args, opts, work))
             if op not in ("send", "recv"):

@@ -41,9 +41,14 @@ collective is a barrier with a time limit. (The endings: ddplab.measure.recordin
 
 Leaves out, compared with the profiler: kernels, memory, the optimizer step as a
 phase of its own (the recorder never sees your optimizer: the time after the
-last all-reduce until the next forward is the iteration's end). On GPUs the
-stamps are host times: when the host asked, not when the GPU ran (labelled
-``cpu``; never run on a GPU here).
+last all-reduce until the next forward is the iteration's end). On NCCL the
+phases, the gradients' ready times and each bucket's all-reduce are CUDA events
+(``ddplab.timeline.cuda_events``; source ``cuda_event``): a gradient's event is
+recorded on the stream that made it, a bucket's end on a side stream after
+``work.wait()``, all placed on the host clock. A comm hook of yours returns a
+future only, and an NCCL future completes when the work is queued: its end is
+then not measured (said in the run's meta). Written and tested against a fake
+NCCL and a fake CUDA device; never run on a GPU here.
 References: torch/nn/parallel/distributed.py (register_comm_hook,
 _get_ddp_logging_data); torch.Tensor.register_post_accumulate_grad_hook;
 torch/distributed/algorithms/ddp_comm_hooks/default_hooks.py (allreduce_hook).
@@ -63,6 +68,10 @@ from ddplab.timeline.trace import write_chrome_trace
 NOT_MEASURED = ("a comm hook was registered before ddplab.record() was called, so the recorder "
                 "could not wrap it: per-bucket communication is not measured (call record() "
                 "before register_comm_hook, or without mixed_precision=, to measure it)")
+
+
+NOT_ON_DEVICE = ("on NCCL a comm hook's future completes when its all-reduce is queued, so "
+                 "its end is not measured: the recorder times only the all-reduce it makes itself")
 
 
 def logged_buckets(ddp_model) -> list[int]:
@@ -98,6 +107,15 @@ class RunRecorder:
                 "params": [{"name": n, "numel": p.numel(), "dtype": str(p.dtype).replace("torch.", ""),
                             "requires_grad": p.requires_grad} for n, p in zip(self.names, self.params)]}
         self.recorder = Recorder("ddp", self.rank, self.world, self.backend, meta)
+        # On NCCL a host stamp says when the host queued work, not when the GPU ran it: the
+        # GPU's times come from CUDA events (ddplab.timeline.cuda_events), resolved per step.
+        self.timer = None
+        if "nccl" in str(self.backend):
+            from ddplab.timeline.cuda_events import CudaStamps
+
+            on = next((p.device for p in self.params if p.device.type == "cuda"), None)
+            self.timer = self.recorder.device_timer = CudaStamps(on)
+        self._grad_events: list = []  # (GradRecord, event): per-parameter ready times on the GPU
         self.grads: list[GradRecord] = []
         self.iteration = -1
         self.timeline: Timeline | None = None  # rank 0's gathered run, after finish()
@@ -150,12 +168,17 @@ class RunRecorder:
             flags = () if self.ddp.require_backward_grad_sync else ("no_sync",)
             self.recorder.begin_iteration(self.iteration, flags)
             self._forward_t0, self._ready, self._last_comm = now(), {}, None
+            if self.timer is not None:
+                self._forward_e0, self._ready_events = self.timer.phase_event(), {}
 
     def _forward_end(self, module, args, output):
         if self._recording():
             t = now()
             self.recorder.set_phase("forward", self._forward_t0, t, "cpu")
             self._backward_t0 = t
+            if self.timer is not None:  # the same phase on the GPU's clock (at the step's end)
+                self._backward_e0 = self.timer.phase_event()
+                self.timer.add_phase("forward", self._forward_e0, self._backward_e0)
 
     def _grad_ready(self, param):
         if self._recording():
@@ -164,6 +187,11 @@ class RunRecorder:
             self._ready[i] = t
             self.grads.append(GradRecord(self.rank, self.iteration, i,
                                          param.numel() * param.element_size(), t))
+            if self.timer is not None:  # on the stream that made the gradient, after it
+                event = self.timer.phase_event()
+                self._ready_events[i] = (len(self._ready_events), event)
+                self._grad_events.append((self.grads[-1], event))
+                self.timer.add_phase("backward", self._backward_e0, event)  # the last one counts
             self.recorder.set_phase("backward", self._backward_t0, t, "derived")
             if self._end_queued != self.iteration:
                 # runs once this backward is over (DDP's own wait for its buckets included,
@@ -204,11 +232,21 @@ class RunRecorder:
             fut, unwrap = hook(user_state, bucket), False
         else:  # what DDP does without a hook: divide, then SUM (default_hooks.allreduce_hook)
             tensor = bucket.buffer().div_(state.world)
-            fut = dist.all_reduce(tensor, group=state.group, async_op=True).get_future()
+            work = dist.all_reduce(tensor, group=state.group, async_op=True)
+            fut = work.get_future()
             unwrap = True  # a work's future holds [tensor]; DDP wants the tensor
         if not recording:
             return fut.then(lambda f: f.value()[0]) if unwrap else fut
         index = bucket.index()
+        if state.timer is not None:
+            # NCCL: the future completes when the all-reduce is queued, so its callback
+            # would say "enqueued", never "done". The end is an event after work.wait() on
+            # a side stream; a hook of yours hands back a future only: not measured then.
+            if state._user_hook is None:
+                state.timer.launched(work, index, "grad", state._grad_span(bucket))
+            else:
+                state.recorder.timeline.meta["comm_end_not_measured"] = NOT_ON_DEVICE
+            return fut.then(lambda f: f.value()[0]) if unwrap else fut
 
         def done(f):  # one callback: the stamp and the unwrapping together
             t = now()
@@ -217,6 +255,25 @@ class RunRecorder:
             return f.value()[0] if unwrap else f.value()
 
         return fut.then(done)
+
+    def _grad_span(self, bucket):
+        """(first, last) GPU events of the bucket's gradients; last is None when one has no
+        event yet (DDP's hook ran before that gradient's: ready by the launch's event)."""
+        got = [self._ready_events.get(self._index.get(id(p))) for p in bucket.parameters()]
+        have = [g for g in got if g is not None]
+        first = min(have, key=lambda g: g[0])[1] if have else None
+        last = max(have, key=lambda g: g[0])[1] if have and len(have) == len(got) else None
+        return first, last
+
+    def _device_waits(self, part: Timeline) -> None:
+        """GPU-timed runs: each step's wait, from backward's end to its last all-reduce's end."""
+        for it in part.iterations:
+            back = it.phases.get("backward")
+            ends = [b.comm_end for b in part.buckets if b.iteration == it.iteration
+                    and b.comm_end is not None]
+            if back is not None and ends and max(ends) > back[1]:
+                it.phases["wait"] = (back[1], max(ends))
+                it.sources["wait"] = "derived"
 
     def _close_wait(self) -> None:
         """The iteration's "wait": from its last gradient to its last all-reduce's end (DDP
@@ -244,7 +301,11 @@ class RunRecorder:
         for h in self._handles:
             h.remove()
         self._close_wait()
-        part = self.recorder.result()
+        part = self.recorder.result()  # on NCCL: synchronizes and resolves the events
+        if self.timer is not None:
+            for g, event in self._grad_events:
+                g.ready, g.source = self.timer.to_cpu_clock(event), "cuda_event"
+            self._device_waits(part)
         part.grads = self.grads
         self._fill_from_logging(part)
         clock, parts = gather(part.to_dict(), self.group, self.rank, self.world, timeout)
