@@ -335,17 +335,68 @@ def installed(device_count: int = 2, gpu: int = 0, cuda=None):
             dist.ProcessGroupNCCL = nccl
 
 
-def rejoin(store_path: str, device_count: int = 2, gpu=None) -> str:
+class HostClock:
+    """A ``_fake_cuda`` clock that is ddplab's own host clock: the host is the device."""
+
+    def __call__(self) -> float:
+        from ddplab.contracts.clock import now
+
+        return now()
+
+
+def host_device() -> None:
+    """Fake-NCCL rank mode for suites that build models (graders, recorders, compare).
+
+    ``ddplab.cluster.backend.device()`` answers ``cpu`` (in the backend module and in every
+    loaded ddplab module that imported the name), so models and data stay CPU tensors, and
+    ``torch.cuda``'s stream and event calls are a ``_fake_cuda.Device`` on the host clock
+    (the fake NCCL's works run on its streams). The group is still ``ddplab_nccl`` and every
+    tensor goes to its NCCL half (``install``). No undo: for rank processes only."""
+    import sys
+
+    from _fake_cuda import Device
+    from ddplab.cluster import backend
+
+    original = backend.device
+
+    def device(group=None):
+        return torch.device("cpu")
+
+    for name, module in list(sys.modules.items()):
+        if name.startswith("ddplab") and getattr(module, "device", None) is original:
+            module.device = device
+    import _fake_cuda
+
+    dev = Device(HostClock())
+
+    class Event(_fake_cuda.Event):  # types, as torch's own code checks isinstance(x, torch.cuda.Event)
+        def __init__(self, enable_timing=False):
+            super().__init__(dev, enable_timing)
+
+    class Stream(_fake_cuda.Stream):
+        def __init__(self, device=None, priority=0):
+            super().__init__(dev)
+
+    torch.cuda.Event, torch.cuda.Stream = Event, Stream
+    for name in ("synchronize", "current_stream", "stream", "current_device"):
+        setattr(torch.cuda, name, getattr(dev, name))
+    FakeNCCL.cuda = dev
+
+
+def rejoin(store_path: str, device_count: int = 2, gpu=None, on_host=False) -> str:
     """On a rank of a gloo Cluster: rejoin as an NCCL rank whose NCCL is the fake.
 
     The default group is remade as ``ddplab_nccl`` on a fresh FileStore at ``store_path``
-    (the same on every rank); ``gpu``: this rank's GPU index (default: its rank)."""
+    (the same on every rank); ``gpu``: this rank's GPU index (default: its rank);
+    ``on_host``: also ``host_device()``."""
     from ddplab.cluster.observed import register
 
     rank, size = dist.get_rank(), dist.get_world_size()
     timeout = datetime.timedelta(seconds=30)
     dist.destroy_process_group()
     install(device_count, rank if gpu is None else gpu)
+    if on_host:
+        host_device()
     register()
     dist.init_process_group("ddplab_nccl", store=dist.FileStore(store_path, size), rank=rank,
                             world_size=size, timeout=timeout)
