@@ -104,6 +104,7 @@ class FakeNCCL:
     device_count = 2
     cuda = None  # a tests/_fake_cuda.Device, when streams should be modelled
     op_seconds = 0.0  # with ``cuda``: how long each op keeps its stream busy (device seconds)
+    future_at_end = False  # host-device mode only (host_device): futures complete at the end
 
     def __init__(self, store, rank, size, options):
         self.store, self.rank_, self.size_, self.options = store, rank, size, options
@@ -162,6 +163,7 @@ class FakeNCCL:
                 FakeNCCL.swallowed.append((op, self.rank_))
             return None if blocking else work
         work.real = getattr(self.gloo, op)(*args, *([opts] if opts is not None else []))
+        work.arm()
         if blocking:  # the host is the device here: run it now (see the module's docstring)
             work.real.wait()
             return None
@@ -171,6 +173,7 @@ class FakeNCCL:
         pending, self._thread.pending = self._thread.pending, []
         for inst, op, args, opts, work in pending:
             work.real = getattr(inst.gloo, op)(*args, *([opts] if opts is not None else []))
+            work.arm()
         return [w for *_, w in pending]
 
     def _start_coalescing(self):  # the Backend binding's signature: no device
@@ -183,6 +186,7 @@ class FakeNCCL:
         if self._thread.depth:
             return None
         block = FakeWork(self, "coalesced", [], self.stream, parts=self._launch_pending())
+        block.arm()
         self.works.append(block)
         return block
 
@@ -236,7 +240,15 @@ class FakeWork:
         self.ended = False
         self.enqueued_at = time.monotonic()
         self.future = torch.futures.Future()
-        self.future.set_result(list(outputs))  # complete at enqueue, as a CUDA future is
+        if not FakeNCCL.future_at_end:
+            self.future.set_result(list(outputs))  # complete at enqueue, as a CUDA future is
+
+    def arm(self):
+        """Host-device mode: the future completes when gloo's transfer(s) did (see host_device)."""
+        if FakeNCCL.future_at_end and not self.future.done():
+            reals = [p.real for p in self.parts] if self.parts is not None else [self.real]
+            done = torch.futures.collect_all([r.get_future() for r in reals])
+            done.then(lambda _: self.future.set_result(list(self.outputs)))
 
     def _reals(self):
         if self.parts is not None:
@@ -351,7 +363,13 @@ def host_device() -> None:
     loaded ddplab module that imported the name), so models and data stay CPU tensors, and
     ``torch.cuda``'s stream and event calls are a ``_fake_cuda.Device`` on the host clock
     (the fake NCCL's works run on its streams). The group is still ``ddplab_nccl`` and every
-    tensor goes to its NCCL half (``install``). No undo: for rank processes only."""
+    tensor goes to its NCCL half (``install``). No undo: for rank processes only.
+
+    One divergence from the contract, because here the host IS the device: a work's future
+    completes when gloo's transfer did, not at enqueue. On a GPU, what a future's callback
+    queues (a comm hook's division) runs on a stream ordered after the collective; on the
+    host, the callback itself runs, so at enqueue it would read the tensor before gloo wrote
+    it. The complete-at-enqueue contract is the observing-group suite's (test_observed_fake_nccl)."""
     import sys
 
     from _fake_cuda import Device
@@ -380,7 +398,7 @@ def host_device() -> None:
     torch.cuda.Event, torch.cuda.Stream = Event, Stream
     for name in ("synchronize", "current_stream", "stream", "current_device"):
         setattr(torch.cuda, name, getattr(dev, name))
-    FakeNCCL.cuda = dev
+    FakeNCCL.cuda, FakeNCCL.future_at_end = dev, True
 
 
 def rejoin(store_path: str, device_count: int = 2, gpu=None, on_host=False) -> str:
