@@ -8,10 +8,12 @@ and the hang grader stops a collective issued on one rank only and names it.
 
 What this exercises: the graders' watch over the observing group when its collectives go
 to an NCCL half that answers blocking ops with no work (the group asks for async works and
-waits on them), completes futures at enqueue and words its timeouts as NCCL does; the
+waits on them) and words its timeouts as NCCL does; the
 graders' NCCL branches (``backend_name() == "nccl"``). What it does not: ``device()``
 answers ``cpu`` here, so the learner's tensors are CPU tensors routed to the fake, not
-CUDA tensors; no kernels, no real NCCL stream, no watchdog. (In make check: UNIT_MORE.)
+CUDA tensors; no kernels, no real NCCL stream, no watchdog; and, the host being the
+device, a work's future completes when its transfer has (on a GPU: at enqueue, with stream
+order keeping a comm hook's division after the collective). (In make check: UNIT_MORE.)
 """
 import itertools
 

@@ -14,7 +14,9 @@ What it does not: ``device()`` answers ``cpu`` here, so models, data and every t
 CPU tensors routed to the fake NCCL half, not CUDA tensors; the fake GPU's streams and
 events run on the host clock (the host is the device: an event's time is when the host got
 there, after the fake's work.wait() blocked until gloo moved the data), so durations are
-host durations of real gloo transfers, not kernel times. A real GPU run is make gpu-check's.
+host durations of real gloo transfers, not kernel times; and in this mode a work's future
+completes when the transfer has, not at enqueue (the observing-group suite holds the fake
+to that contract). A real GPU run is make gpu-check's.
 (In make check: UNIT_MORE.)
 """
 import itertools
