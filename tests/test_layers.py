@@ -30,7 +30,7 @@ MODULES = {
                         "layout", "links", "manual", "overlap", "registry", "sparse", "unused", "yours",
                         "unused_policy"],
         "ddplab.sync.core": ["", "average", "bucketed", "overlap"]},
-    4: {"ddplab.measure": ["", "compare", "models", "profile", "recording", "recording_end", "report", "runners", "spec",
+    4: {"ddplab.measure": ["", "compare", "models", "profile", "recording", "recording_end", "recording_layout", "report", "runners", "spec",
                            "sweep", "transformer", "whatif", "workload"]},
     5: {"ddplab.lessons": ["", "checkpoints", "claims", "common", "compression", "data",
                            "firstgroup", "hangs", "pipeline", "reducer_map", "ring", "training",

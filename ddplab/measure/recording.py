@@ -60,27 +60,14 @@ from pathlib import Path
 
 from ddplab.measure.recording_end import (DESTROYED, FINISH_TIMEOUT_S, UNFINISHED, gather,
                                            group_alive, machine)
+from ddplab.measure.recording_layout import NOT_MEASURED, buckets_from_logging, logged_buckets
 from ddplab.timeline.clock import now
 from ddplab.timeline.records import GradRecord, Timeline
 from ddplab.timeline.recorder import Recorder
 from ddplab.timeline.trace import write_chrome_trace
 
-NOT_MEASURED = ("a comm hook was registered before ddplab.record() was called, so the recorder "
-                "could not wrap it: per-bucket communication is not measured (call record() "
-                "before register_comm_hook, or without mixed_precision=, to measure it)")
-
-
 NOT_ON_DEVICE = ("on NCCL a comm hook's future completes when its all-reduce is queued, so "
                  "its end is not measured: the recorder times only the all-reduce it makes itself")
-
-
-def logged_buckets(ddp_model) -> list[int]:
-    """torch's own bucket sizes in bytes, from its logging data: the rebuilt layout once
-    the reducer has rebuilt its buckets, else the layout it was built with."""
-    data = ddp_model._get_ddp_logging_data()
-    sizes = data.get("rebuilt_bucket_sizes") if data.get("has_rebuilt_buckets") else None
-    sizes = sizes or data.get("bucket_sizes") or ""
-    return [int(s) for s in str(sizes).replace(",", " ").split()]
 
 
 class RunRecorder:
@@ -111,11 +98,11 @@ class RunRecorder:
         # GPU's times come from CUDA events (ddplab.timeline.cuda_events), resolved per step.
         self.timer = None
         if "nccl" in str(self.backend):
-            from ddplab.timeline.cuda_events import CudaStamps
+            from ddplab.timeline.cuda_events import CudaStamps, GradEvents
 
             on = next((p.device for p in self.params if p.device.type == "cuda"), None)
             self.timer = self.recorder.device_timer = CudaStamps(on)
-        self._grad_events: list = []  # (GradRecord, event): per-parameter ready times on the GPU
+            self._grad_events = GradEvents(self.timer)
         self.grads: list[GradRecord] = []
         self.iteration = -1
         self.timeline: Timeline | None = None  # rank 0's gathered run, after finish()
@@ -169,7 +156,8 @@ class RunRecorder:
             self.recorder.begin_iteration(self.iteration, flags)
             self._forward_t0, self._ready, self._last_comm = now(), {}, None
             if self.timer is not None:
-                self._forward_e0, self._ready_events = self.timer.phase_event(), {}
+                self._forward_e0 = self.timer.phase_event()
+                self._grad_events.new_step()
 
     def _forward_end(self, module, args, output):
         if self._recording():
@@ -188,9 +176,7 @@ class RunRecorder:
             self.grads.append(GradRecord(self.rank, self.iteration, i,
                                          param.numel() * param.element_size(), t))
             if self.timer is not None:  # on the stream that made the gradient, after it
-                event = self.timer.phase_event()
-                self._ready_events[i] = (len(self._ready_events), event)
-                self._grad_events.append((self.grads[-1], event))
+                event = self._grad_events.ready(i, self.grads[-1])
                 self.timer.add_phase("backward", self._backward_e0, event)  # the last one counts
             self.recorder.set_phase("backward", self._backward_t0, t, "derived")
             if self._end_queued != self.iteration:
@@ -243,7 +229,8 @@ class RunRecorder:
             # would say "enqueued", never "done". The end is an event after work.wait() on
             # a side stream; a hook of yours hands back a future only: not measured then.
             if state._user_hook is None:
-                state.timer.launched(work, index, "grad", state._grad_span(bucket))
+                state.timer.launched(work, index, "grad", state._grad_events.span(
+                    [state._index.get(id(p)) for p in bucket.parameters()]))
             else:
                 state.recorder.timeline.meta["comm_end_not_measured"] = NOT_ON_DEVICE
             return fut.then(lambda f: f.value()[0]) if unwrap else fut
@@ -255,25 +242,6 @@ class RunRecorder:
             return f.value()[0] if unwrap else f.value()
 
         return fut.then(done)
-
-    def _grad_span(self, bucket):
-        """(first, last) GPU events of the bucket's gradients; last is None when one has no
-        event yet (DDP's hook ran before that gradient's: ready by the launch's event)."""
-        got = [self._ready_events.get(self._index.get(id(p))) for p in bucket.parameters()]
-        have = [g for g in got if g is not None]
-        first = min(have, key=lambda g: g[0])[1] if have else None
-        last = max(have, key=lambda g: g[0])[1] if have and len(have) == len(got) else None
-        return first, last
-
-    def _device_waits(self, part: Timeline) -> None:
-        """GPU-timed runs: each step's wait, from backward's end to its last all-reduce's end."""
-        for it in part.iterations:
-            back = it.phases.get("backward")
-            ends = [b.comm_end for b in part.buckets if b.iteration == it.iteration
-                    and b.comm_end is not None]
-            if back is not None and ends and max(ends) > back[1]:
-                it.phases["wait"] = (back[1], max(ends))
-                it.sources["wait"] = "derived"
 
     def _close_wait(self) -> None:
         """The iteration's "wait": from its last gradient to its last all-reduce's end (DDP
@@ -303,11 +271,13 @@ class RunRecorder:
         self._close_wait()
         part = self.recorder.result()  # on NCCL: synchronizes and resolves the events
         if self.timer is not None:
-            for g, event in self._grad_events:
-                g.ready, g.source = self.timer.to_cpu_clock(event), "cuda_event"
-            self._device_waits(part)
+            from ddplab.timeline.cuda_events import waits_from_buckets
+
+            self._grad_events.resolve()
+            waits_from_buckets(part)
         part.grads = self.grads
-        self._fill_from_logging(part)
+        if not self.comm_measured:
+            buckets_from_logging(self, part)
         clock, parts = gather(part.to_dict(), self.group, self.rank, self.world, timeout)
         if self.rank != 0:
             return None
@@ -320,26 +290,6 @@ class RunRecorder:
         if self.out is not None:
             self.save(self.out)
         return tl
-
-    def _fill_from_logging(self, part: Timeline) -> None:
-        """Without our hook: the buckets from torch's layout, ready when their last gradient was."""
-        if self.comm_measured:
-            return
-        spec = self.ddp._get_ddp_logging_data().get("rebuilt_per_bucket_param_indices") or ""
-        layout = [[int(i) for i in chunk.split()] for chunk in spec.split(",") if chunk.strip()]
-        from ddplab.timeline.records import BucketRecord
-
-        for it in part.iterations:
-            if "no_sync" in it.flags:
-                continue
-            ready = {g.param: g.ready for g in self.grads if g.iteration == it.iteration}
-            for index, members in enumerate(layout):
-                times = [ready[i] for i in members if i in ready]
-                part.buckets.append(BucketRecord(
-                    self.rank, it.iteration, index,
-                    sum(self.params[i].numel() * self.params[i].element_size() for i in members),
-                    tuple(self.names[i] for i in members), min(times, default=None),
-                    max(times, default=None), sources={"grads_ready": "cpu"}))
 
     def save(self, out) -> dict:
         """Write out.json, out.trace.json and (with a page writer) out.html; rank 0 only."""

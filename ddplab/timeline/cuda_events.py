@@ -131,3 +131,49 @@ class CudaStamps:
                             source="cuda_event", start_source="cuda_event_queued")
         self.stream_free = stream_free
         self.pending.clear()
+
+
+class GradEvents:
+    """Each parameter's gradient-ready moment as a GPU event (``ddplab.record`` on NCCL).
+
+    The event is recorded in the parameter's post-accumulate-grad hook, on the stream that
+    made the gradient, so it completes when the gradient really is there."""
+
+    def __init__(self, timer: CudaStamps):
+        self.timer = timer
+        self.step: dict = {}  # parameter index -> (order, event), this step's
+        self.all: list = []  # (GradRecord, event), every recorded step's
+
+    def new_step(self) -> None:
+        self.step = {}
+
+    def ready(self, index: int, record):
+        event = self.timer.phase_event()
+        self.step[index] = (len(self.step), event)
+        self.all.append((record, event))
+        return event
+
+    def span(self, indices):
+        """(first, last) events of these parameters' gradients; last is None when one has
+        no event yet (its hook runs after the launch: the launch's event stands in)."""
+        got = [self.step.get(i) for i in indices]
+        have = [g for g in got if g is not None]
+        first = min(have, key=lambda g: g[0])[1] if have else None
+        last = max(have, key=lambda g: g[0])[1] if have and len(have) == len(got) else None
+        return first, last
+
+    def resolve(self) -> None:
+        """After the timer's synchronize: every GradRecord gets its GPU time."""
+        for record, event in self.all:
+            record.ready, record.source = self.timer.to_cpu_clock(event), "cuda_event"
+
+
+def waits_from_buckets(timeline) -> None:
+    """A GPU-timed run's wait per step: from backward's end to its last all-reduce's end."""
+    for it in timeline.iterations:
+        back = it.phases.get("backward")
+        ends = [b.comm_end for b in timeline.buckets
+                if b.iteration == it.iteration and b.comm_end is not None]
+        if back is not None and ends and max(ends) > back[1]:
+            it.phases["wait"] = (back[1], max(ends))
+            it.sources["wait"] = "derived"
