@@ -45,7 +45,10 @@ API for tests, and for the recording's CUDA-event stamping (tests/_fake_cuda.py)
   whose streams the works use (else streams are plain labels).
 - ``FakeNCCL.instances`` (every one made), ``.ops`` ((op, blocking) in issue
   order), ``.works``, ``.env`` (the TORCH_NCCL_* settings it was made under), ``.barrier_devices``, ``.connected``, ``.shut``,
-  ``.aborted``, ``.stream`` (the group's NCCL stream).
+  ``.aborted``, ``.stream`` (the group's NCCL stream). With ``cuda``, an op
+  queued on a stream keeps it busy ``FakeNCCL.op_seconds`` after the later of the
+  host's now and what that stream (for an async op, also the caller's current
+  stream, which NCCL's waits for) already holds.
 - ``FakeWork.stream``: where the op ran: the caller's current stream for a
   blocking op, the group's NCCL stream otherwise; ``.op``, ``.seq``,
   ``.outputs``, ``.enqueued_at`` (time.monotonic()).
@@ -100,6 +103,8 @@ class FakeNCCL:
     groups_ended_by_connect = 0
     device_count = 2
     cuda = None  # a tests/_fake_cuda.Device, when streams should be modelled
+    op_seconds = 0.0  # with ``cuda``: how long each op keeps its stream busy (device seconds)
+    future_at_end = False  # host-device mode only (host_device): futures complete at the end
 
     def __init__(self, store, rank, size, options):
         self.store, self.rank_, self.size_, self.options = store, rank, size, options
@@ -148,12 +153,17 @@ class FakeNCCL:
             else self.stream
         work = FakeWork(self, op, outputs, stream)
         self.works.append(work)
+        if self.cuda is not None:  # the device's side: where and when the op runs
+            if not blocking:  # ProcessGroupNCCL makes its stream wait for the caller's
+                stream.busy_until = max(stream.busy_until, self.cuda.current.busy_until)
+            stream.busy_until = max(stream.busy_until, self.cuda.clock()) + self.op_seconds
         if self._thread.depth:  # joins the open group, whoever opened it
             self._thread.pending.append((self, op, args, opts, work))
             if op not in ("send", "recv"):
                 FakeNCCL.swallowed.append((op, self.rank_))
             return None if blocking else work
         work.real = getattr(self.gloo, op)(*args, *([opts] if opts is not None else []))
+        work.arm()
         if blocking:  # the host is the device here: run it now (see the module's docstring)
             work.real.wait()
             return None
@@ -163,6 +173,7 @@ class FakeNCCL:
         pending, self._thread.pending = self._thread.pending, []
         for inst, op, args, opts, work in pending:
             work.real = getattr(inst.gloo, op)(*args, *([opts] if opts is not None else []))
+            work.arm()
         return [w for *_, w in pending]
 
     def _start_coalescing(self):  # the Backend binding's signature: no device
@@ -175,6 +186,7 @@ class FakeNCCL:
         if self._thread.depth:
             return None
         block = FakeWork(self, "coalesced", [], self.stream, parts=self._launch_pending())
+        block.arm()
         self.works.append(block)
         return block
 
@@ -228,7 +240,15 @@ class FakeWork:
         self.ended = False
         self.enqueued_at = time.monotonic()
         self.future = torch.futures.Future()
-        self.future.set_result(list(outputs))  # complete at enqueue, as a CUDA future is
+        if not FakeNCCL.future_at_end:
+            self.future.set_result(list(outputs))  # complete at enqueue, as a CUDA future is
+
+    def arm(self):
+        """Host-device mode: the future completes when gloo's transfer(s) did (see host_device)."""
+        if FakeNCCL.future_at_end and not self.future.done():
+            reals = [p.real for p in self.parts] if self.parts is not None else [self.real]
+            done = torch.futures.collect_all([r.get_future() for r in reals])
+            done.then(lambda _: self.future.set_result(list(self.outputs)))
 
     def _reals(self):
         if self.parts is not None:
@@ -327,17 +347,74 @@ def installed(device_count: int = 2, gpu: int = 0, cuda=None):
             dist.ProcessGroupNCCL = nccl
 
 
-def rejoin(store_path: str, device_count: int = 2, gpu=None) -> str:
+class HostClock:
+    """A ``_fake_cuda`` clock that is ddplab's own host clock: the host is the device."""
+
+    def __call__(self) -> float:
+        from ddplab.contracts.clock import now
+
+        return now()
+
+
+def host_device() -> None:
+    """Fake-NCCL rank mode for suites that build models (graders, recorders, compare).
+
+    ``ddplab.cluster.backend.device()`` answers ``cpu`` (in the backend module and in every
+    loaded ddplab module that imported the name), so models and data stay CPU tensors, and
+    ``torch.cuda``'s stream and event calls are a ``_fake_cuda.Device`` on the host clock
+    (the fake NCCL's works run on its streams). The group is still ``ddplab_nccl`` and every
+    tensor goes to its NCCL half (``install``). No undo: for rank processes only.
+
+    One divergence from the contract, because here the host IS the device: a work's future
+    completes when gloo's transfer did, not at enqueue. On a GPU, what a future's callback
+    queues (a comm hook's division) runs on a stream ordered after the collective; on the
+    host, the callback itself runs, so at enqueue it would read the tensor before gloo wrote
+    it. The complete-at-enqueue contract is the observing-group suite's (test_observed_fake_nccl)."""
+    import sys
+
+    from _fake_cuda import Device
+    from ddplab.cluster import backend
+
+    original = backend.device
+
+    def device(group=None):
+        return torch.device("cpu")
+
+    for name, module in list(sys.modules.items()):
+        if name.startswith("ddplab") and getattr(module, "device", None) is original:
+            module.device = device
+    import _fake_cuda
+
+    dev = Device(HostClock())
+
+    class Event(_fake_cuda.Event):  # types, as torch's own code checks isinstance(x, torch.cuda.Event)
+        def __init__(self, enable_timing=False):
+            super().__init__(dev, enable_timing)
+
+    class Stream(_fake_cuda.Stream):
+        def __init__(self, device=None, priority=0):
+            super().__init__(dev)
+
+    torch.cuda.Event, torch.cuda.Stream = Event, Stream
+    for name in ("synchronize", "current_stream", "stream", "current_device"):
+        setattr(torch.cuda, name, getattr(dev, name))
+    FakeNCCL.cuda, FakeNCCL.future_at_end = dev, True
+
+
+def rejoin(store_path: str, device_count: int = 2, gpu=None, on_host=False) -> str:
     """On a rank of a gloo Cluster: rejoin as an NCCL rank whose NCCL is the fake.
 
     The default group is remade as ``ddplab_nccl`` on a fresh FileStore at ``store_path``
-    (the same on every rank); ``gpu``: this rank's GPU index (default: its rank)."""
+    (the same on every rank); ``gpu``: this rank's GPU index (default: its rank);
+    ``on_host``: also ``host_device()``."""
     from ddplab.cluster.observed import register
 
     rank, size = dist.get_rank(), dist.get_world_size()
     timeout = datetime.timedelta(seconds=30)
     dist.destroy_process_group()
     install(device_count, rank if gpu is None else gpu)
+    if on_host:
+        host_device()
     register()
     dist.init_process_group("ddplab_nccl", store=dist.FileStore(store_path, size), rank=rank,
                             world_size=size, timeout=timeout)

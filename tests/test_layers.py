@@ -30,7 +30,7 @@ MODULES = {
                         "layout", "links", "manual", "overlap", "registry", "sharded_rows", "sparse", "unused", "yours",
                         "unused_policy"],
         "ddplab.sync.core": ["", "average", "bucketed", "fsdp", "overlap", "sharded_optimizer"]},
-    4: {"ddplab.measure": ["", "compare", "models", "profile", "recording", "recording_end", "report", "runners", "spec",
+    4: {"ddplab.measure": ["", "compare", "models", "profile", "recording", "recording_end", "recording_layout", "report", "runners", "spec",
                            "memory",
                            "sweep", "transformer", "whatif", "workload"]},
     5: {"ddplab.lessons": ["", "checkpoints", "claims", "common", "compression", "data",

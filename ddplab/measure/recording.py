@@ -41,9 +41,14 @@ collective is a barrier with a time limit. (The endings: ddplab.measure.recordin
 
 Leaves out, compared with the profiler: kernels, memory, the optimizer step as a
 phase of its own (the recorder never sees your optimizer: the time after the
-last all-reduce until the next forward is the iteration's end). On GPUs the
-stamps are host times: when the host asked, not when the GPU ran (labelled
-``cpu``; never run on a GPU here).
+last all-reduce until the next forward is the iteration's end). On NCCL the
+phases, the gradients' ready times and each bucket's all-reduce are CUDA events
+(``ddplab.timeline.cuda_events``; source ``cuda_event``): a gradient's event is
+recorded on the stream that made it, a bucket's end on a side stream after
+``work.wait()``, all placed on the host clock. A comm hook of yours returns a
+future only, and an NCCL future completes when the work is queued: its end is
+then not measured (said in the run's meta). Written and tested against a fake
+NCCL and a fake CUDA device; never run on a GPU here.
 References: torch/nn/parallel/distributed.py (register_comm_hook,
 _get_ddp_logging_data); torch.Tensor.register_post_accumulate_grad_hook;
 torch/distributed/algorithms/ddp_comm_hooks/default_hooks.py (allreduce_hook).
@@ -54,23 +59,14 @@ import json
 from pathlib import Path
 
 from ddplab.measure.recording_end import DESTROYED, FINISH_TIMEOUT_S, UNFINISHED, gather, group_alive, machine
+from ddplab.measure.recording_layout import NOT_MEASURED, buckets_from_logging, logged_buckets
 from ddplab.timeline.clock import now
 from ddplab.timeline.recorder import Recorder
 from ddplab.timeline.records import GradRecord, Timeline
 from ddplab.timeline.trace import write_chrome_trace
 
-NOT_MEASURED = ("a comm hook was registered before ddplab.record() was called, so the recorder "
-                "could not wrap it: per-bucket communication is not measured (call record() "
-                "before register_comm_hook, or without mixed_precision=, to measure it)")
-
-
-def logged_buckets(ddp_model) -> list[int]:
-    """torch's own bucket sizes in bytes, from its logging data: the rebuilt layout once
-    the reducer has rebuilt its buckets, else the layout it was built with."""
-    data = ddp_model._get_ddp_logging_data()
-    sizes = data.get("rebuilt_bucket_sizes") if data.get("has_rebuilt_buckets") else None
-    sizes = sizes or data.get("bucket_sizes") or ""
-    return [int(s) for s in str(sizes).replace(",", " ").split()]
+NOT_ON_DEVICE = ("on NCCL a comm hook's future completes when its all-reduce is queued, so "
+                 "its end is not measured: the recorder times only the all-reduce it makes itself")
 
 
 class RunRecorder:
@@ -97,6 +93,15 @@ class RunRecorder:
                 "params": [{"name": n, "numel": p.numel(), "dtype": str(p.dtype).replace("torch.", ""),
                             "requires_grad": p.requires_grad} for n, p in zip(self.names, self.params)]}
         self.recorder = Recorder("ddp", self.rank, self.world, self.backend, meta)
+        # On NCCL a host stamp says when the host queued work, not when the GPU ran it: the
+        # GPU's times come from CUDA events (ddplab.timeline.cuda_events), resolved per step.
+        self.timer = None
+        if "nccl" in str(self.backend):
+            from ddplab.timeline.cuda_events import CudaStamps, GradEvents
+
+            on = next((p.device for p in self.params if p.device.type == "cuda"), None)
+            self.timer = self.recorder.device_timer = CudaStamps(on)
+            self._grad_events = GradEvents(self.timer)
         self.grads: list[GradRecord] = []
         self.iteration = -1
         self.timeline: Timeline | None = None  # rank 0's gathered run, after finish()
@@ -149,12 +154,18 @@ class RunRecorder:
             flags = () if self.ddp.require_backward_grad_sync else ("no_sync",)
             self.recorder.begin_iteration(self.iteration, flags)
             self._forward_t0, self._ready, self._last_comm = now(), {}, None
+            if self.timer is not None:
+                self._forward_e0 = self.timer.phase_event()
+                self._grad_events.new_step()
 
     def _forward_end(self, module, args, output):
         if self._recording():
             t = now()
             self.recorder.set_phase("forward", self._forward_t0, t, "cpu")
             self._backward_t0 = t
+            if self.timer is not None:  # the same phase on the GPU's clock (at the step's end)
+                self._backward_e0 = self.timer.phase_event()
+                self.timer.add_phase("forward", self._forward_e0, self._backward_e0)
 
     def _grad_ready(self, param):
         if self._recording():
@@ -163,6 +174,9 @@ class RunRecorder:
             self._ready[i] = t
             self.grads.append(GradRecord(self.rank, self.iteration, i,
                                          param.numel() * param.element_size(), t))
+            if self.timer is not None:  # on the stream that made the gradient, after it
+                event = self._grad_events.ready(i, self.grads[-1])
+                self.timer.add_phase("backward", self._backward_e0, event)  # the last one counts
             self.recorder.set_phase("backward", self._backward_t0, t, "derived")
             if self._end_queued != self.iteration:
                 # runs once this backward is over (DDP's own wait for its buckets included,
@@ -203,11 +217,22 @@ class RunRecorder:
             fut, unwrap = hook(user_state, bucket), False
         else:  # what DDP does without a hook: divide, then SUM (default_hooks.allreduce_hook)
             tensor = bucket.buffer().div_(state.world)
-            fut = dist.all_reduce(tensor, group=state.group, async_op=True).get_future()
+            work = dist.all_reduce(tensor, group=state.group, async_op=True)
+            fut = work.get_future()
             unwrap = True  # a work's future holds [tensor]; DDP wants the tensor
         if not recording:
             return fut.then(lambda f: f.value()[0]) if unwrap else fut
         index = bucket.index()
+        if state.timer is not None:
+            # NCCL: the future completes when the all-reduce is queued, so its callback
+            # would say "enqueued", never "done". The end is an event after work.wait() on
+            # a side stream; a hook of yours hands back a future only: not measured then.
+            if state._user_hook is None:
+                state.timer.launched(work, index, "grad", state._grad_events.span(
+                    [state._index.get(id(p)) for p in bucket.parameters()]))
+            else:
+                state.recorder.timeline.meta["comm_end_not_measured"] = NOT_ON_DEVICE
+            return fut.then(lambda f: f.value()[0]) if unwrap else fut
 
         def done(f):  # one callback: the stamp and the unwrapping together
             t = now()
@@ -243,9 +268,15 @@ class RunRecorder:
         for h in self._handles:
             h.remove()
         self._close_wait()
-        part = self.recorder.result()
+        part = self.recorder.result()  # on NCCL: synchronizes and resolves the events
+        if self.timer is not None:
+            from ddplab.timeline.cuda_events import waits_from_buckets
+
+            self._grad_events.resolve()
+            waits_from_buckets(part)
         part.grads = self.grads
-        self._fill_from_logging(part)
+        if not self.comm_measured:
+            buckets_from_logging(self, part)
         clock, parts = gather(part.to_dict(), self.group, self.rank, self.world, timeout)
         if self.rank != 0:
             return None
@@ -258,26 +289,6 @@ class RunRecorder:
         if self.out is not None:
             self.save(self.out)
         return tl
-
-    def _fill_from_logging(self, part: Timeline) -> None:
-        """Without our hook: the buckets from torch's layout, ready when their last gradient was."""
-        if self.comm_measured:
-            return
-        spec = self.ddp._get_ddp_logging_data().get("rebuilt_per_bucket_param_indices") or ""
-        layout = [[int(i) for i in chunk.split()] for chunk in spec.split(",") if chunk.strip()]
-        from ddplab.timeline.records import BucketRecord
-
-        for it in part.iterations:
-            if "no_sync" in it.flags:
-                continue
-            ready = {g.param: g.ready for g in self.grads if g.iteration == it.iteration}
-            for index, members in enumerate(layout):
-                times = [ready[i] for i in members if i in ready]
-                part.buckets.append(BucketRecord(
-                    self.rank, it.iteration, index,
-                    sum(self.params[i].numel() * self.params[i].element_size() for i in members),
-                    tuple(self.names[i] for i in members), min(times, default=None),
-                    max(times, default=None), sources={"grads_ready": "cpu"}))
 
     def save(self, out) -> dict:
         """Write out.json, out.trace.json and (with a page writer) out.html; rank 0 only."""

@@ -26,11 +26,14 @@ def estimate_offsets(rounds: int = 9, group=None) -> dict:
     import torch.distributed as dist
 
     world = dist.get_world_size(group)
+    # a plain "nccl" group refuses CPU tensors: its readings travel on this rank's GPU
+    on = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" \
+        else torch.device("cpu")
     samples = []
     for _ in range(rounds):
         dist.barrier(group=group)
-        t = torch.tensor([now()], dtype=torch.float64)
-        gathered = [torch.zeros(1, dtype=torch.float64) for _ in range(world)]
+        t = torch.tensor([now()], dtype=torch.float64, device=on)
+        gathered = [torch.zeros(1, dtype=torch.float64, device=on) for _ in range(world)]
         dist.all_gather(gathered, t, group=group)
         samples.append([g.item() - gathered[0].item() for g in gathered])
     offsets = {r: statistics.median(s[r] for s in samples) for r in range(world)}

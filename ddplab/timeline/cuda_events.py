@@ -50,9 +50,10 @@ class CudaStamps:
         self.cuda = cuda = torch.cuda
         self.device = device if device is not None else cuda.current_device()
         self.side = cuda.Stream(device=self.device)
-        self.pending: list = []  # (bucket, kind, ready_event, end_event), in launch order
+        self.pending: list = []  # (bucket, kind, ready_event, end_event, grads), in launch order
         self.phases: list = []  # (phase name, start_event, end_event)
         self.splits: list = []  # (phase name, event, second phase name)
+        self.stream_free = None  # when the last resolved collective ended (CPU clock)
         # Reference: an event that has certainly completed at CPU time ref_cpu.
         cuda.synchronize(self.device)
         self.ref = cuda.Event(enable_timing=True)
@@ -60,17 +61,27 @@ class CudaStamps:
         self.ref.synchronize()
         self.ref_cpu = now()
 
-    def launched(self, work, bucket, kind) -> None:
-        """Call right after the collective was queued."""
+    def launched(self, work, bucket, kind, grads=None) -> None:
+        """Call right after the collective was queued.
+
+        ``work`` None: a blocking NCCL op (torch >= 2.8 returns no work for one) that ran on
+        the caller's current stream, so its end is an event recorded there now (and its
+        start is known only from ``grads``: the launch's event comes after the op).
+        ``grads``: (first, last) events recorded when the bucket's first and last gradients
+        became ready (None for one not recorded yet: the launch's event stands in); they
+        become the bucket's ready times (source ``cuda_event``)."""
         cuda = self.cuda
         ready = cuda.Event(enable_timing=True)
         ready.record()  # compute stream: after the kernels that made the gradients
         end = cuda.Event(enable_timing=True)
-        self.side.wait_stream(cuda.current_stream(self.device))
-        with cuda.stream(self.side):
-            work.wait()  # the side stream now waits for NCCL's stream
-            end.record(self.side)
-        self.pending.append((bucket, kind, ready, end))
+        if work is None:
+            end.record()  # after the op, on the stream it ran on
+        else:
+            self.side.wait_stream(cuda.current_stream(self.device))
+            with cuda.stream(self.side):
+                work.wait()  # the side stream now waits for NCCL's stream
+                end.record(self.side)
+        self.pending.append((bucket, kind, ready, end, grads))
 
     def phase_event(self):
         """An event recorded now on the compute stream (a phase boundary as the GPU sees it)."""
@@ -104,11 +115,65 @@ class CudaStamps:
             recorder.set_phase(name, start, end, "cuda_event")
         self.phases.clear()
         self.splits.clear()
-        stream_free = None  # the previous collective's end on the group's NCCL stream
-        for bucket, kind, ready, end in self.pending:
+        # the previous collective's end on the group's NCCL stream (kept across iterations:
+        # nothing makes the next step's first bucket wait less for it)
+        stream_free = self.stream_free
+        for bucket, kind, ready, end, grads in self.pending:
             t_ready, t_end = t(ready), t(end)
+            if grads is not None:  # the gradients' own events: when the bucket was ready
+                first, last = grads  # None: that gradient had no event yet (ready by the launch)
+                t_ready = t(last) if last is not None else t_ready
+                first = min(t(first), t_ready) if first is not None else t_ready
+                recorder.grad_ready(bucket, t_ready, source="cuda_event", first=first)
             t_start = t_ready if stream_free is None else min(max(t_ready, stream_free), t_end)
             stream_free = t_end
             recorder.record("done", t_end, bucket=bucket, kind=kind, start=t_start,
                             source="cuda_event", start_source="cuda_event_queued")
+        self.stream_free = stream_free
         self.pending.clear()
+
+
+class GradEvents:
+    """Each parameter's gradient-ready moment as a GPU event (``ddplab.record`` on NCCL).
+
+    The event is recorded in the parameter's post-accumulate-grad hook, on the stream that
+    made the gradient, so it completes when the gradient really is there."""
+
+    def __init__(self, timer: CudaStamps):
+        self.timer = timer
+        self.step: dict = {}  # parameter index -> (order, event), this step's
+        self.all: list = []  # (GradRecord, event), every recorded step's
+
+    def new_step(self) -> None:
+        self.step = {}
+
+    def ready(self, index: int, record):
+        event = self.timer.phase_event()
+        self.step[index] = (len(self.step), event)
+        self.all.append((record, event))
+        return event
+
+    def span(self, indices):
+        """(first, last) events of these parameters' gradients; last is None when one has
+        no event yet (its hook runs after the launch: the launch's event stands in)."""
+        got = [self.step.get(i) for i in indices]
+        have = [g for g in got if g is not None]
+        first = min(have, key=lambda g: g[0])[1] if have else None
+        last = max(have, key=lambda g: g[0])[1] if have and len(have) == len(got) else None
+        return first, last
+
+    def resolve(self) -> None:
+        """After the timer's synchronize: every GradRecord gets its GPU time."""
+        for record, event in self.all:
+            record.ready, record.source = self.timer.to_cpu_clock(event), "cuda_event"
+
+
+def waits_from_buckets(timeline) -> None:
+    """A GPU-timed run's wait per step: from backward's end to its last all-reduce's end."""
+    for it in timeline.iterations:
+        back = it.phases.get("backward")
+        ends = [b.comm_end for b in timeline.buckets
+                if b.iteration == it.iteration and b.comm_end is not None]
+        if back is not None and ends and max(ends) > back[1]:
+            it.phases["wait"] = (back[1], max(ends))
+            it.sources["wait"] = "derived"

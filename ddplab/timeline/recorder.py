@@ -134,14 +134,18 @@ class Recorder:
             b = self._buckets[index] = BucketRecord(self.rank, self._it.iteration, index, 0)
         return b
 
-    def grad_ready(self, index: int, t: float | None = None) -> None:
+    def grad_ready(self, index: int, t: float | None = None, source: str = "cpu",
+                   first: float | None = None) -> None:
+        """The bucket's last gradient is ready at ``t`` (its first at ``first``, when known)."""
         b = self._bucket(index)
         if b is not None:
             t = now() if t is None else t
-            if b.grads_ready_first is None:
+            if first is not None:
+                b.grads_ready_first = first
+            elif b.grads_ready_first is None:
                 b.grads_ready_first = t
             b.grads_ready = t
-            b.sources["grads_ready"] = "cpu"
+            b.sources["grads_ready"] = source
 
     def launch(self, index: int, nbytes: int, params=(), t: float | None = None) -> None:
         b = self._bucket(index)
