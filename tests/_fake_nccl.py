@@ -373,6 +373,7 @@ def host_device() -> None:
     import sys
 
     from _fake_cuda import Device
+
     from ddplab.cluster import backend
 
     original = backend.device

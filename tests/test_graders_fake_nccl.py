@@ -17,12 +17,11 @@ order keeping a comm hook's division after the collective). (In make check: UNIT
 """
 import itertools
 
+import graders_catalogue as C
 import pytest
 
 from ddplab.checks import CheckFailed
 from ddplab.cluster.cluster import Cluster
-
-import graders_catalogue as C
 
 pytestmark = pytest.mark.timeout(300)
 _STORES = itertools.count()
@@ -72,10 +71,10 @@ def test_graders_on_nccl_ranks(cluster, name, kind):
 
 
 def test_a_hang_on_nccl_ranks_is_stopped_and_named(cluster):
+    from test_checks import avg_only_rank0
+
     from ddplab import checks
     from ddplab.checks import mistakes as M
-
-    from test_checks import avg_only_rank0
 
     with pytest.raises(CheckFailed) as info:
         checks.check_average_gradients(cluster, avg_only_rank0, timeout=3, draw=False)

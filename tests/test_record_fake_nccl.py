@@ -15,12 +15,12 @@ import json
 import sys
 from pathlib import Path
 
+import _fake_nccl
 import pytest
 import torch
 import torch.distributed as dist
-
-import _fake_nccl
 from _fake_cuda import Clock, Device, Event
+
 from ddplab.timeline import cuda_events, recorder
 
 OP_S = 0.004  # each NCCL op: 4 ms on its stream
