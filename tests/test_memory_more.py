@@ -2,8 +2,9 @@
 UNIT_MORE). The sharded parts are checked against sizes worked out from the model."""
 from __future__ import annotations
 
-from ddplab.measure.memory import ROWS, measure
 from test_memory import _full_sizes, _shard_bytes
+
+from ddplab.measure.memory import ROWS, measure
 
 
 def test_fsdp_shrinks_with_the_world_size_and_ddp_does_not():
