@@ -46,7 +46,8 @@ UNIT_MORE = tests/test_cluster_interrupts.py tests/test_cluster_kernel.py tests/
 	tests/test_recording_endings.py tests/test_observed_fake_nccl.py \
 	tests/test_sharded_optimizer_more.py tests/test_checks_sharding.py \
 	tests/test_fsdp.py tests/test_fsdp_seen.py \
-	tests/test_recorder_fake_nccl.py tests/test_graders_fake_nccl.py
+	tests/test_recorder_fake_nccl.py tests/test_graders_fake_nccl.py \
+	tests/test_memory_more.py tests/test_fits_more.py
 NBVAL = --nbval-lax --nbval-current-env --nbval-sanitize-with labs/nbval-sanitize.cfg
 LABS = $(sort $(wildcard labs/*.ipynb))
 # The labs make test runs (<= 3 min together); the others run in make check.

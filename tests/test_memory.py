@@ -68,3 +68,51 @@ def test_ddp_broadcasts_its_rebuilt_bucket_layout_in_step_two_only(cluster2):
     second, third = cluster2.run(_sent, 2)[0], cluster2.run(_sent, 3)[0]
     assert 0 < second.get("broadcast", 0) < 1000 and "broadcast" not in third
     assert second["all_reduce"] == third["all_reduce"]
+
+
+def _sharded(rows=("ddp", "fsdp", "torch_fsdp2")):
+    return {row: measure_rank(row, steps=1) for row in rows}
+
+
+def _full_sizes():
+    """The default model's parameters, numel and first dim each, from a fresh copy."""
+    from ddplab.measure.memory import default_model
+
+    return [(p.numel(), p.shape[0]) for p in default_model().parameters()]
+
+
+def _shard_bytes(sizes, ws, rank, row):
+    """Bytes of ``rank``'s shard, worked out here from the model's sizes: ddplab's FSDP keeps
+    ceil(numel / ws) elements of each flattened weight (the last piece padded); fully_shard
+    keeps ceil(rows / ws) rows on dim 0 (padded to that in its storage)."""
+    if row == "fsdp":
+        return sum(-(-n // ws) * 4 for n, _ in sizes)
+    return sum(-(-rows // ws) * (n // rows) * 4 for n, rows in sizes)
+
+
+def test_fsdp_holds_its_shard_of_parameters_gradients_and_state(cluster2):
+    ranks, sizes = cluster2.run(_sharded), _full_sizes()
+    full = sum(n for n, _ in sizes) * 4
+    assert ranks[0]["ddp"]["params"] == full
+    layer = sizes[0][0] * 4 + sizes[1][0] * 4  # one Linear's weight and bias, gathered
+    for rank, got in enumerate(ranks):
+        for row in ("fsdp", "torch_fsdp2"):
+            m = got[row]
+            assert m["params"] == m["grads"] == _shard_bytes(sizes, 2, rank, row) == full // 2
+            assert m["optimizer_state"] == 2 * m["params"] + 4 * len(sizes)  # Adam, per shard
+            # the peak holds the shards, their gradients and state, and a layer gathered whole
+            assert m["peak"] > m["params"] + m["grads"] + m["optimizer_state"] + layer
+            assert m["peak"] < got["ddp"]["peak"]
+            assert m["sent_by_op"]["all_gather_into_tensor"] == full  # forward + backward
+            assert m["sent_by_op"]["reduce_scatter_tensor"] == full
+
+
+def test_live_bytes_follows_a_storage_resized_in_place():
+    """FSDP frees a gathered weight with ``untyped_storage().resize_(0)``: the count follows."""
+    with LiveBytes() as live:
+        a = torch.ones(1000)
+        a.untyped_storage().resize_(0)
+        b = torch.ones(10)
+        # counted at its size when first seen, b's op would have made 4040 bytes the peak
+        assert live.now == 40 and live.peak == 4000
+    assert b.numel() == 10

@@ -211,8 +211,8 @@ class ObservedGroup(dist.ProcessGroup):
     _allgather_base = all_gather_single
 
     def all_gather_single_coalesced(self, outputs, inputs, opts):
-        return self._issue("all_gather_into_tensor", inputs,
-                           lambda b: b.allgather_into_tensor_coalesced(outputs, inputs, opts), opts=opts)
+        return self._issue("all_gather_into_tensor", inputs, lambda b: _coalesced(
+            b, "allgather_into_tensor_coalesced", "_allgather_base", outputs, inputs, opts), opts=opts)
 
     allgather_into_tensor_coalesced = all_gather_single_coalesced
 
@@ -232,8 +232,9 @@ class ObservedGroup(dist.ProcessGroup):
     _reduce_scatter_base = reduce_scatter_single
 
     def reduce_scatter_single_coalesced(self, outputs, inputs, opts):
-        return self._issue("reduce_scatter_tensor", inputs,
-                           lambda b: b.reduce_scatter_tensor_coalesced(outputs, inputs, opts), opts=opts)
+        return self._issue("reduce_scatter_tensor", inputs, lambda b: _coalesced(
+            b, "reduce_scatter_tensor_coalesced", "_reduce_scatter_base", outputs, inputs, opts),
+            opts=opts)
 
     reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced
 
@@ -318,3 +319,16 @@ def observing(observer, group=None):
                            "after ddplab.cluster.observed.register()")
     with pg.observing(observer):
         yield observer
+
+
+def _coalesced(backend, coalesced: str, single: str, outputs, inputs, opts):
+    """NCCL's coalesced call where the backend has it; gloo's ProcessGroupGloo has no
+    ``allgather_into_tensor_coalesced`` nor ``reduce_scatter_tensor_coalesced`` (torch 2.13),
+    so there each pair goes as its own call, in order on every rank. The earlier works are
+    waited for here, so the one returned ends last (gloo may run two ops at once)."""
+    if hasattr(backend, coalesced):
+        return getattr(backend, coalesced)(outputs, inputs, opts)
+    works = [getattr(backend, single)(out, inp, opts) for out, inp in zip(outputs, inputs)]
+    for work in works[:-1]:
+        work.wait()
+    return works[-1] if works else None

@@ -6,7 +6,9 @@ rank holds between layers against the full model's; ``traffic_on_rank``
 runs one training step of a registered strategy (``ddp``, ``fsdp``,
 ``torch_fsdp2``) while a ``GroupRecorder`` watches the observing group, and
 returns every collective it saw (op, forward or backward, payload bytes),
-each rank's ring bytes and the step's timeline.
+each rank's ring bytes and the step's timeline; ``one_axis_figure`` draws
+those steps, strategy by strategy, on one shared time axis (the panels of
+``ddplab.widgets.compare``, as labs 02 and 03 compare strategies).
 
 Leaves out: memory peaks and optimizer state (the memory-per-rank picture),
 compute_dtype (tested in tests/test_fsdp.py), timing.
@@ -61,3 +63,16 @@ def traffic_on_rank(name: str) -> dict:
     rec.end_iteration()
     return {"calls": end["calls"], "ring_bytes": end["ring_bytes"], "nbytes": end["nbytes"],
             "timeline": rec.result().to_dict()}
+
+
+def one_axis_figure(runs: dict):
+    """``{name: what traffic_on_rank returned on each rank}`` drawn as one figure: a panel
+    per strategy, every rank's compute and collectives, one time axis for all."""
+    from ddplab.timeline.records import Timeline
+    from ddplab.widgets.compare import compare_timelines_figure
+
+    timelines = {name: Timeline.merge([Timeline.from_dict(r["timeline"]) for r in per_rank])
+                 for name, per_rank in runs.items()}
+    fig = compare_timelines_figure(timelines, iterations=[0])
+    fig.update_layout(title_text="One step per strategy, every collective drawn from the group")
+    return fig

@@ -1,4 +1,4 @@
-"""Memory per rank, measured: what each rank holds under DDP and under ZeRO-1.
+"""Memory per rank, measured: what each rank holds under DDP, ZeRO-1 and FSDP.
 
 Teaches: the memory a rank needs is read from the tensors it holds, never
 worked out on paper. For each row (a way to train: ``ddp``, ``zero1``,
@@ -18,13 +18,17 @@ trains a few steps, and reports in bytes:
   over the step too.
 
 Rows are one entry each in ``ROWS``: ``build(model, optimizer_cls, **kwargs)``
-returns ``(model_to_train, optimizer)``. A row for FSDP is one more entry:
-its parameters are then the shards the rank holds, read the same way.
+returns ``(model_to_train, optimizer)``. Under FSDP (``fsdp``: ddplab's,
+``torch_fsdp2``: torch's ``fully_shard``) the model's parameters ARE the
+shards the rank holds (a DTensor counts its local shard), read the same way;
+its peak includes the full weights of the layer being gathered. A storage
+resized in place (FSDP frees gathered weights with ``resize_(0)``) is counted
+at its size after each op.
 
 Leaves out: memory outside tensor storages (the Python heap, gloo's own
 buffers, the allocator's caching on CPU), and buffers (BatchNorm's
-statistics). A storage resized in place keeps the size it had when first
-seen.
+statistics). Between two ops a storage's size is not watched: the peak is
+read at op boundaries.
 
 References: torch.utils._python_dispatch.TorchDispatchMode;
 torch.UntypedStorage (one Python object per storage, so a weakref finalizer
@@ -47,22 +51,25 @@ class LiveBytes(TorchDispatchMode):
 
     def __init__(self):
         super().__init__()
-        self.live: dict[int, int] = {}  # storage -> its bytes
-        self.now = self.peak = 0
+        self.live: dict[int, weakref.ref] = {}  # storage -> the storage (while it lives)
+        self.peak = 0
+
+    @property
+    def now(self) -> int:
+        """Read at each call: FSDP resizes storages in place (``resize_(0)`` to free)."""
+        return sum(s.nbytes() for s in (r() for r in list(self.live.values())) if s is not None)
 
     def track(self, tensors) -> None:
         for t in tensors:
+            if isinstance(t, torch.Tensor) and hasattr(t, "to_local"):
+                t = t.to_local()  # a DTensor: the rank holds its local shard
             if isinstance(t, torch.Tensor) and t.device.type != "meta":
                 storage = t.untyped_storage()
                 key = storage._cdata
-                if key not in self.live and storage.nbytes():
-                    self.live[key] = storage.nbytes()
-                    self.now += storage.nbytes()
-                    self.peak = max(self.peak, self.now)
-                    weakref.finalize(storage, self._freed, key)
-
-    def _freed(self, key) -> None:
-        self.now -= self.live.pop(key, 0)
+                if key not in self.live:
+                    self.live[key] = weakref.ref(storage)
+                    weakref.finalize(storage, self.live.pop, key, None)
+        self.peak = max(self.peak, self.now)
 
     def reset_peak(self) -> None:
         self.peak = self.now
@@ -77,6 +84,8 @@ def storage_bytes(tensors) -> int:
     """Bytes of the distinct storages under ``tensors`` (None skipped)."""
     seen = {}
     for t in tensors:
+        if isinstance(t, torch.Tensor) and hasattr(t, "to_local"):
+            t = t.to_local()  # a DTensor (torch's fully_shard): this rank's shard
         if isinstance(t, torch.Tensor):
             s = t.untyped_storage()
             seen[s._cdata] = s.nbytes()
@@ -125,7 +134,25 @@ def _torch_zero(model, optimizer_cls, **kwargs):
     return ddp, ZeroRedundancyOptimizer(ddp.parameters(), optimizer_cls, **kwargs)
 
 
-ROWS = {"ddp": _ddp, "zero1": _zero1, "torch_zero": _torch_zero}
+def _fsdp(model, optimizer_cls, **kwargs):
+    from ddplab.sync.core.fsdp import FSDP
+
+    fsdp = FSDP(model)  # model's sharded weights are now this rank's shards
+    return fsdp, optimizer_cls(fsdp.parameters(), **kwargs)
+
+
+def _torch_fsdp2(model, optimizer_cls, **kwargs):
+    from torch.distributed.fsdp import fully_shard
+
+    for m in list(model.modules()):  # as the torch_fsdp2 strategy row: each layer a unit
+        if isinstance(m, (torch.nn.Linear, torch.nn.Embedding)):
+            fully_shard(m)
+    fully_shard(model)
+    return model, optimizer_cls(model.parameters(), **kwargs)
+
+
+ROWS = {"ddp": _ddp, "zero1": _zero1, "torch_zero": _torch_zero, "fsdp": _fsdp,
+        "torch_fsdp2": _torch_fsdp2}
 
 
 def default_model(width: int = 256, depth: int = 4):
@@ -155,18 +182,21 @@ def measure_rank(row: str, make_model=default_model, optimizer_cls=torch.optim.A
     with counter:
         model = make_model().to(dev)
         counter.track(model.parameters())
+        width = next(model.parameters()).shape[-1]  # before FSDP flattens it into a shard
         trained, opt = ROWS[row](model, optimizer_cls, lr=lr)
         g = torch.Generator().manual_seed(dist.get_rank())
         sent = OpBytes()  # what the last step handed the group, where it is an observing one
         for i in range(steps):
             last = i == steps - 1 and observed() is not None
-            x = torch.randn(batch, next(model.parameters()).shape[-1], generator=g).to(dev)
+            x = torch.randn(batch, width, generator=g).to(dev)
             if dev.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(dev)
             counter.reset_peak()
             with observing(sent) if last else contextlib.nullcontext():
                 opt.zero_grad(set_to_none=True)
                 trained(x).square().mean().backward()
+                if hasattr(trained, "finish_gradient_synchronization"):  # ddplab's FSDP
+                    trained.finish_gradient_synchronization()
                 opt.step()
         out = {**held(model, opt), "peak": counter.peak, "sent_by_op": dict(sent.by_op)}
     if dev.type == "cuda":

@@ -183,21 +183,10 @@ class StrategyRunner:
 @torch.no_grad()
 def _full_parameters(model) -> list:
     """The model's full parameters on every rank, also where each rank holds a shard:
-    ddplab's FSDP gathers them itself; a DTensor of torch's fully_shard (sharded on dim 0)
-    is gathered here by hand (``full_tensor()`` makes a coalesced all-gather gloo lacks)."""
+    ddplab's FSDP gathers them itself; a DTensor of torch's fully_shard gathers with
+    ``full_tensor()`` (on gloo the observing group issues its coalesced all-gather one
+    tensor at a time: ddplab.cluster.observed)."""
     if hasattr(model, "full_parameters"):
         return list(model.full_parameters().values())
-    out = []
-    for p in model.parameters():
-        if hasattr(p, "to_local"):
-            import torch.distributed as dist
-
-            local, ws = p.to_local().detach(), dist.get_world_size()
-            rows = -(-p.shape[0] // ws)
-            padded = local.new_zeros((rows, *p.shape[1:]))
-            padded[:local.shape[0]] = local
-            gathered = local.new_empty((rows * ws, *p.shape[1:]))
-            dist.all_gather_single(gathered, padded)
-            p = gathered[:p.shape[0]]
-        out.append(p.detach())
-    return out
+    return [(p.full_tensor() if hasattr(p, "full_tensor") else p).detach()
+            for p in model.parameters()]

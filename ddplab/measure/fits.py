@@ -1,0 +1,193 @@
+"""Which fits, and what does it cost? Memory per rank and bytes per step, predicted.
+
+Teaches: before starting ranks, the sizes of a model say what each rank will
+hold under each way to train, and the alpha-beta model of a link says what
+the step's communication costs. For a model, a world size p and a link:
+
+- ``ddp``: every rank holds the parameters P, the gradients P, the optimizer
+  state S (Adam: 2P and a 4-byte step per parameter) and DDP's buckets (a
+  flat copy of the gradients, P). It all-reduces P per step.
+- ``zero1``: as ddp, but the state of its share only (whole parameters dealt
+  largest first to the rank with the least, torch's rule). It all-reduces P
+  and broadcasts P (every rank passes the whole tensor to the broadcast).
+- ``fsdp``: the rank's shard of each sharded weight (ceil(numel/p) elements,
+  padded), of its gradient and of its state; replicated parameters whole. It
+  all-gathers its shard twice (forward and backward) and reduce-scatters the
+  whole (padded) gradient.
+- peak during the step: what is held, plus the activations the forward saves
+  (sized by one forward on this process, no ranks), plus the largest
+  temporary: the optimizer's (Adam makes one tensor the size of a parameter)
+  and, under FSDP, a layer gathered whole with its full gradient and the
+  padded copy it reduce-scatters.
+
+Communication time (ring, ``ddplab.netsim.link.LinkModel``): an all-reduce of
+N bytes 2(p-1) alpha + 2(p-1)/p N / bandwidth; an all-gather or
+reduce-scatter of N bytes (the full size) half of that, each call paying
+its own alpha; a broadcast is timed as an all-reduce (an upper bound: it
+moves N once, not twice). Every collective is waited for (no overlap with
+compute), and DDP's buckets are cut at the cap in bytes, not by torch's
+rebuild rule (ddplab.measure.whatif has that).
+
+Leaves out: the allocator (its caching and rounding, on GPU), the Python
+heap, gloo's and NCCL's own buffers, buffers (BatchNorm statistics),
+temporaries smaller than the largest one, mixed precision. Checked against
+``ddplab.measure.memory.measure`` within 10 % (tests/test_fits.py).
+
+References: Rajbhandari et al., "ZeRO" (SC 2020), section 3 (2 + 2 + K bytes
+per parameter, mixed precision; here float32: 4 + 4 + 8); Zhao et al.,
+"PyTorch FSDP" (VLDB 2023); ddplab.netsim.costmodel for alpha and bandwidth.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ddplab.netsim.link import LinkModel
+
+ROWS = ("ddp", "zero1", "fsdp")
+STATE_TENSORS = {torch.optim.Adam: 2, torch.optim.AdamW: 2, torch.optim.SGD: 0}
+
+
+def _state(numels, optimizer_cls, momentum=False) -> int:
+    """Bytes of optimizer state for float32 parameters of these sizes."""
+    if optimizer_cls not in STATE_TENSORS:
+        raise ValueError(f"fits knows Adam, AdamW and SGD, not {optimizer_cls.__name__}: "
+                         "measure it instead (ddplab.measure.memory.measure_rank)")
+    per = STATE_TENSORS[optimizer_cls] + (optimizer_cls is torch.optim.SGD and momentum)
+    step = 4 * len(numels) if per == 2 else 0  # Adam's step count: a float32 scalar each
+    return sum(4 * n * per for n in numels) + step
+
+
+def _share(numels, world_size, rank) -> list:
+    """torch's ZeroRedundancyOptimizer deal: largest first, to the rank with the least."""
+    loads, mine = [0] * world_size, [[] for _ in range(world_size)]
+    for n in sorted(numels, reverse=True):
+        r = loads.index(min(loads))
+        loads[r] += n
+        mine[r].append(n)
+    return mine[rank]
+
+
+def activation_bytes(model: nn.Module, example) -> int:
+    """Bytes of the outputs of the model's leaf modules in one forward (what autograd saves,
+    about), and of the input: one forward on this process, no ranks."""
+    total = [example.numel() * example.element_size()]
+    hooks = [m.register_forward_hook(
+        lambda m, a, out: total.append(out.numel() * out.element_size()
+                                       if torch.is_tensor(out) else 0))
+        for m in model.modules() if not list(m.children())]
+    try:
+        with torch.no_grad():
+            model(example)
+    finally:
+        for h in hooks:
+            h.remove()
+    return sum(total)
+
+
+def predict_memory(model: nn.Module, world_size: int, example, row: str,
+                   optimizer_cls=torch.optim.Adam, shard=(nn.Linear, nn.Embedding),
+                   rank: int = 0) -> dict:
+    """Bytes one rank holds under ``row``: params, grads, optimizer_state, peak."""
+    if row not in ROWS:
+        raise ValueError(f"row must be one of {', '.join(ROWS)}, not {row!r}")
+    p, params = world_size, list(model.parameters())
+    numels = [t.numel() for t in params]
+    full = 4 * sum(numels)
+    acts = activation_bytes(model, example)
+    largest = 4 * max(numels)
+    if row in ("ddp", "zero1"):
+        share = numels if row == "ddp" else _share(numels, p, rank)
+        state = _state(share, optimizer_cls)
+        held = {"params": full, "grads": full, "optimizer_state": state}
+        extra = full + largest  # DDP's buckets, the optimizer's temporary
+    else:
+        units = [[q.numel() for q in m.parameters(recurse=False)]
+                 for m in model.modules() if isinstance(m, shard)]
+        sharded = [-(-n // p) for unit in units for n in unit]
+        sharded_ids = {id(q) for m in model.modules() if isinstance(m, shard)
+                       for q in m.parameters(recurse=False)}
+        replicated = [q.numel() for q in params if id(q) not in sharded_ids]
+        mine = 4 * (sum(sharded) + sum(replicated))
+        held = {"params": mine, "grads": mine,
+                "optimizer_state": _state(sharded + replicated, optimizer_cls)}
+        layer = max((4 * sum(unit) for unit in units), default=0)
+        # a layer gathered whole, its full gradient and the padded copy it reduce-scatters
+        extra = max(3 * layer, 4 * max(sharded + replicated))
+    held["peak"] = sum(held.values()) + acts + extra
+    return held
+
+
+def predict_bytes(model: nn.Module, world_size: int, row: str,
+                  shard=(nn.Linear, nn.Embedding)) -> dict:
+    """Bytes one rank hands the group per step, by collective (as memory.measure counts)."""
+    p, full = world_size, 4 * sum(t.numel() for t in model.parameters())
+    if row == "ddp":
+        return {"all_reduce": full}  # DDP all-reduces on one rank too
+    if row == "zero1":
+        return {"all_reduce": full, "broadcast": full}
+    units = [q.numel() for m in model.modules() if isinstance(m, shard)
+             for q in m.parameters(recurse=False)]
+    out = {"all_gather_into_tensor": 2 * 4 * sum(-(-n // p) for n in units),
+           "reduce_scatter_tensor": 4 * sum(-(-n // p) * p for n in units)}
+    rest = full - 4 * sum(units)
+    return {**out, "all_reduce": rest} if rest else out
+
+
+def predict_calls(model: nn.Module, world_size: int, row: str,
+                  shard=(nn.Linear, nn.Embedding), bucket_cap_mb: float = 25) -> list:
+    """The step's collectives as (op, full bytes): DDP's buckets (gradients in order, cut at
+    the cap), ShardedOptimizer's broadcast per parameter, FSDP's two all-gathers and one
+    reduce-scatter per layer and an all-reduce per replicated parameter."""
+    p, params = world_size, list(model.parameters())
+    if row in ("ddp", "zero1"):
+        full, cap = 4 * sum(t.numel() for t in params), bucket_cap_mb * 2 ** 20
+        n = max(1, -(-full // int(cap)))
+        calls = [("all_reduce", full / n)] * n
+        return calls + ([("broadcast", 4 * t.numel()) for t in params] if row == "zero1" else [])
+    calls, ids = [], set()
+    for m in model.modules():
+        if isinstance(m, shard):
+            unit = list(m.parameters(recurse=False))
+            ids |= {id(t) for t in unit}
+            padded = 4 * sum(-(-t.numel() // p) * p for t in unit)
+            calls += [("all_gather", padded)] * 2 + [("reduce_scatter", padded)]
+    return calls + [("all_reduce", 4 * t.numel()) for t in params if id(t) not in ids]
+
+
+def comm_seconds(calls, world_size: int, link: LinkModel) -> float:
+    """The alpha-beta time of the step's collectives on ``link`` (ring, nothing overlapped):
+    an all-gather or reduce-scatter is half an all-reduce of the full size."""
+    half = {"all_gather", "reduce_scatter"}
+    return sum(link.allreduce_seconds(n, world_size) / (2 if op in half else 1)
+               for op, n in calls)
+
+
+def which_fits(model: nn.Module, world_size: int, example, link="10gbe",
+               budget_bytes: int | None = None, optimizer_cls=torch.optim.Adam) -> list:
+    """One dict per row: predicted memory of the rank holding the most, bytes per step,
+    communication seconds on ``link``, and ``fits`` (peak <= budget; None without one)."""
+    link = LinkModel.parse(link)
+    out = []
+    for row in ROWS:
+        mem = max((predict_memory(model, world_size, example, row, optimizer_cls, rank=r)
+                   for r in range(world_size)), key=lambda m: m["peak"])
+        sent = predict_bytes(model, world_size, row)
+        out.append({"row": row, "world_size": world_size, **mem, "sent_by_op": sent,
+                    "comm_s": comm_seconds(predict_calls(model, world_size, row), world_size, link),
+                    "link": link.label,
+                    "fits": None if budget_bytes is None else mem["peak"] <= budget_bytes})
+    return out
+
+
+def fits_table(answers) -> str:
+    """The answers as text, in MiB and milliseconds."""
+    mb = 2 ** 20
+    lines = [(f"{'row':<7}{'ranks':>6}{'params':>9}{'grads':>9}{'state':>9}{'peak':>9}"
+              f"{'MiB/step':>10}{'comm ms':>9}  fits")]
+    for a in answers:
+        lines.append(f"{a['row']:<7}{a['world_size']:>6}" + "".join(
+            f"{a[f] / mb:>9.2f}" for f in ("params", "grads", "optimizer_state", "peak"))
+            + f"{sum(a['sent_by_op'].values()) / mb:>10.2f}{a['comm_s'] * 1e3:>9.2f}  "
+            + {None: "-", True: "yes", False: "NO"}[a["fits"]])
+    return "\n".join(lines)
