@@ -40,9 +40,8 @@ On NCCL (docs/gpu.md): ProcessGroupNCCL answers a blocking op with no work
 blocking call waits on the real work, through the observers; the wait makes the
 caller's stream wait for NCCL's, as the blocking op's own stream order would.
 Barriers run on the rank's GPU; ``shutdown`` reaches NCCL; unfinished NCCL work
-is reported. The NCCL half was not run on a GPU where this was written: an
-earlier form failed on an H200; this fixed form was never run on a GPU, only on
-CPU against a fake with ProcessGroupNCCL's contract (tests/_fake_nccl.py).
+is reported. An earlier form failed on an H200; this form was never run on a GPU,
+only on CPU against a fake with ProcessGroupNCCL's contract (tests/_fake_nccl.py).
 
 References: torch/distributed/distributed_c10d.py (Backend.register_backend,
 _new_process_group_helper: a creator returning a ProcessGroup subclass
@@ -61,7 +60,7 @@ import torch.distributed as dist
 
 from ddplab.cluster import wrapped
 from ddplab.cluster.observed_work import ObservedWork, Observing, completed  # noqa: F401 - public here too
-from ddplab.cluster.wrapped import CoalescedP2P, close_open_blocks, gloo_group, nccl_group, route, seconds
+from ddplab.cluster.wrapped import CoalescedP2P, close_open_blocks, coalesced, gloo_group, nccl_group, route, seconds
 
 BACKENDS = {"ddplab_gloo": "gloo", "ddplab_nccl": "cpu:gloo,cuda:nccl"}
 LIVE: "weakref.WeakSet" = weakref.WeakSet()  # this process's observing groups (subgroups too)
@@ -211,7 +210,7 @@ class ObservedGroup(dist.ProcessGroup):
     _allgather_base = all_gather_single
 
     def all_gather_single_coalesced(self, outputs, inputs, opts):
-        return self._issue("all_gather_into_tensor", inputs, lambda b: _coalesced(
+        return self._issue("all_gather_into_tensor", inputs, lambda b: coalesced(
             b, "allgather_into_tensor_coalesced", "_allgather_base", outputs, inputs, opts), opts=opts)
 
     allgather_into_tensor_coalesced = all_gather_single_coalesced
@@ -232,9 +231,8 @@ class ObservedGroup(dist.ProcessGroup):
     _reduce_scatter_base = reduce_scatter_single
 
     def reduce_scatter_single_coalesced(self, outputs, inputs, opts):
-        return self._issue("reduce_scatter_tensor", inputs, lambda b: _coalesced(
-            b, "reduce_scatter_tensor_coalesced", "_reduce_scatter_base", outputs, inputs, opts),
-            opts=opts)
+        return self._issue("reduce_scatter_tensor", inputs, lambda b: coalesced(
+            b, "reduce_scatter_tensor_coalesced", "_reduce_scatter_base", outputs, inputs, opts), opts=opts)
 
     reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced
 
@@ -320,15 +318,3 @@ def observing(observer, group=None):
     with pg.observing(observer):
         yield observer
 
-
-def _coalesced(backend, coalesced: str, single: str, outputs, inputs, opts):
-    """NCCL's coalesced call where the backend has it; gloo's ProcessGroupGloo has no
-    ``allgather_into_tensor_coalesced`` nor ``reduce_scatter_tensor_coalesced`` (torch 2.13),
-    so there each pair goes as its own call, in order on every rank. The earlier works are
-    waited for here, so the one returned ends last (gloo may run two ops at once)."""
-    if hasattr(backend, coalesced):
-        return getattr(backend, coalesced)(outputs, inputs, opts)
-    works = [getattr(backend, single)(out, inp, opts) for out, inp in zip(outputs, inputs)]
-    for work in works[:-1]:
-        work.wait()
-    return works[-1] if works else None

@@ -290,3 +290,16 @@ def payload_bytes(tensor) -> int:
         return (tensor._indices().numel() * tensor._indices().element_size()
                 + tensor._values().numel() * tensor.element_size())
     return tensor.numel() * tensor.element_size()
+
+
+def coalesced(backend, coalesced: str, single: str, outputs, inputs, opts):
+    """NCCL's coalesced call where the backend has it; gloo's ProcessGroupGloo has no
+    ``allgather_into_tensor_coalesced`` nor ``reduce_scatter_tensor_coalesced`` (torch 2.13),
+    so there each pair goes as its own call, in order on every rank. The earlier works are
+    waited for here, so the one returned ends last (gloo may run two ops at once)."""
+    if hasattr(backend, coalesced):
+        return getattr(backend, coalesced)(outputs, inputs, opts)
+    works = [getattr(backend, single)(out, inp, opts) for out, inp in zip(outputs, inputs)]
+    for work in works[:-1]:
+        work.wait()
+    return works[-1] if works else None
