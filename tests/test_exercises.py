@@ -60,7 +60,8 @@ def test_each_exercise_has_stubs_and_graders_and_no_solution_left():
         assert all(c.metadata.nbgrader["checksum"] == compute_checksum(c) for c in graders)
         assert all(c.metadata["editable"] is False for c in graders)
         assert nb.cells[1].id == exercises.HEADER_ID
-        assert f"../{sol.name}" in nb.cells[1].source  # says where the solution is
+        # says where the solution is, without a link that a learner's fetched folder cannot follow
+        assert f"labs/{sol.name}" in nb.cells[1].source and f"](../{sol.name})" not in nb.cells[1].source
         assert all(c.get("outputs", []) == [] for c in nb.cells)
 
 

@@ -1,10 +1,11 @@
-"""Lab 12's one time axis (ddplab.lessons.sharding.one_axis_figure): DDP, FSDP and fully_shard
+"""Lab 12's one time axis (ddplab.widgets.compare.one_axis_figure): DDP, FSDP and fully_shard
 in one figure, every collective drawn from the observing group."""
 from __future__ import annotations
 
 import re
 
 from ddplab.lessons import sharding
+from ddplab.widgets.compare import one_axis_figure
 
 NAMES = ("ddp", "fsdp", "torch_fsdp2")
 
@@ -24,7 +25,7 @@ def _bars(fig, panel):
 
 def test_one_figure_one_time_axis_every_layers_collectives_on_every_rank(cluster2):
     runs = {name: cluster2.run(sharding.traffic_on_rank, name) for name in NAMES}
-    fig = sharding.one_axis_figure(runs)
+    fig = one_axis_figure(runs)
     # one x axis: the upper panels' follow the last one's (plotly's shared_xaxes)
     assert [fig.layout[f"xaxis{k}"].matches for k in ("", 2, 3)] == ["x3", "x3", None]
     ends = []

@@ -63,16 +63,3 @@ def traffic_on_rank(name: str) -> dict:
     rec.end_iteration()
     return {"calls": end["calls"], "ring_bytes": end["ring_bytes"], "nbytes": end["nbytes"],
             "timeline": rec.result().to_dict()}
-
-
-def one_axis_figure(runs: dict):
-    """``{name: what traffic_on_rank returned on each rank}`` drawn as one figure: a panel
-    per strategy, every rank's compute and collectives, one time axis for all."""
-    from ddplab.timeline.records import Timeline
-    from ddplab.widgets.compare import compare_timelines_figure
-
-    timelines = {name: Timeline.merge([Timeline.from_dict(r["timeline"]) for r in per_rank])
-                 for name, per_rank in runs.items()}
-    fig = compare_timelines_figure(timelines, iterations=[0])
-    fig.update_layout(title_text="One step per strategy, every collective drawn from the group")
-    return fig

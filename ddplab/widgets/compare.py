@@ -162,3 +162,15 @@ def compare_figures(timelines: dict, metrics: dict, iterations=1):
     labels = [run_labels(tl) for tl in timelines.values()]
     common = [lab for lab in labels[0] if all(lab in other for other in labels)] if labels else []
     return compare_timelines_figure(timelines, iterations), metrics_figure(metrics, common)
+
+
+def one_axis_figure(runs: dict):
+    """``{name: what ddplab.lessons.sharding.traffic_on_rank returned on each rank}`` drawn as
+    one figure: a panel per strategy, every rank's compute and collectives, one time axis."""
+    from ddplab.timeline.records import Timeline
+
+    timelines = {name: Timeline.merge([Timeline.from_dict(r["timeline"]) for r in per_rank])
+                 for name, per_rank in runs.items()}
+    fig = compare_timelines_figure(timelines, iterations=[0])
+    fig.update_layout(title_text="One step per strategy, every collective drawn from the group")
+    return fig
