@@ -27,11 +27,42 @@ def env() -> dict:
                 PYTHONUNBUFFERED="1")
 
 
+def classroom(folder: Path, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "ddplab", "classroom", str(folder), *args],
+                          capture_output=True, text=True, env=env(), timeout=300)
+
+
 def make_room(folder: Path, *args: str) -> Path:
-    out = subprocess.run([sys.executable, "-m", "ddplab", "classroom", str(folder), *args],
-                         capture_output=True, text=True, env=env(), timeout=120)
+    out = classroom(folder, *args)
     assert out.returncode == 0, out.stderr
     return folder
+
+
+def passwords(printed: str) -> dict:
+    """name -> password from what `classroom` printed (the lines under "Passwords")."""
+    found, table = {}, False
+    for line in printed.splitlines():
+        if line.startswith("Passwords"):
+            table = True
+        elif table and line.startswith("  ") and len(line.split()) == 2:
+            name, password = line.split()
+            found[name] = password
+        elif table and line.startswith("Start"):
+            break
+    return found
+
+
+def as_user(user: str, cwd: Path, *command: str, extra: dict | None = None, timeout=600):
+    """``command`` run as the Unix account ``user`` (runuser) with a clean environment: HOME,
+    PATH (the environment's bin first: nbgrader's gradebook runs `alembic`) and ``extra``."""
+    import pwd
+
+    home = pwd.getpwnam(user).pw_dir
+    variables = {"HOME": home, "USER": user, "PATH": f"{Path(sys.executable).parent}:/usr/bin:/bin",
+                 "PYTHONUNBUFFERED": "1", **(extra or {})}
+    return subprocess.run(["runuser", "-u", user, "--", "env", "-i",
+                           *(f"{k}={v}" for k, v in variables.items()), *command],
+                          cwd=cwd, capture_output=True, text=True, timeout=timeout)
 
 
 def nbgrader(course: Path, *args: str, timeout=600) -> subprocess.CompletedProcess:

@@ -4,6 +4,7 @@ The GPU lists come from a fake ``nvidia-smi`` on PATH that prints what the real 
 the two queries ddplab makes, so the parsing, the placement rules and CUDA_VISIBLE_DEVICES
 renumbering all run as they would on a GPU server.
 """
+import json
 import os
 import subprocess
 import sys
@@ -125,31 +126,104 @@ def test_classroom_writes_a_hub_config_a_course_and_a_readme(tmp_path):
     roster = tmp_path / "roster.txt"
     roster.write_text("ann\nbob\n")
     out = classroom(str(tmp_path / "c"), "--roster", str(roster), "--cpu-only", "--threads", "1",
-                    "--proxy", sys.executable, "--port", "18123")
+                    "--proxy", sys.executable, "--port", "18123", "--trusted-class")
     assert out.returncode == 0, out.stderr
+    assert "UNSAFE" in out.stdout and "DDPLAB_HUB_PASSWORD=" in out.stdout
     room = tmp_path / "c"
     config = (room / "jupyterhub_config.py").read_text()
     compile(config, "jupyterhub_config.py", "exec")
-    for expected in ["allowed_users = set(['ann', 'bob', 'instructor'])", "Seats(gpus_per_learner=0, threads=1)",
-                     "c.ConfigurableHTTPProxy.command = [PYTHON, '-m', 'ddplab.course.proxy_guard', "
-                     f"{str(Path(sys.executable).resolve())!r}]", "jupyterhub_idle_culler",
-                     "c.JupyterHub.ip = '127.0.0.1'", "SimpleLocalProcessSpawner", "allow_all = True"]:
-        assert expected in config
+    for expected in ["LEARNERS = ['ann', 'bob']", "INSTRUCTOR = 'instructor'",
+                     "c.Authenticator.allowed_users = set(LEARNERS) | {INSTRUCTOR}",
+                     "Seats(gpus_per_learner=0, threads=1)",
+                     "GUARD = [PYTHON, '-m', 'ddplab.course.proxy_guard']",
+                     f"c.ConfigurableHTTPProxy.command = GUARD + [{str(Path(sys.executable).resolve())!r}]",
+                     "c.Spawner.cmd = GUARD + [PYTHON, '-m', 'jupyterhub.singleuser']",
+                     "'command': GUARD + [", "jupyterhub_idle_culler",
+                     "c.JupyterHub.ip = '127.0.0.1'", "SimpleLocalProcessSpawner", "shared-password"]:
+        assert expected in config, expected
+    assert "allow_all =" not in config and "DummyAuthenticator" not in config
     course = (room / "course" / "nbgrader_config.py").read_text()
     assert "c.Execute.timeout = 120" in course and "configure(c)" in course
     assert (room / "course" / "source" / "00-first-process-group" / "00-first-process-group.ipynb").exists()
     assert (room / "course" / "roster.csv").read_text().split() == ["id", "ann", "bob"]
     assert "JUPYTERHUB_USER" in (room / "learner-config" / "nbgrader_config.py").read_text()
-    assert "NOT enforced" in (room / "README.md").read_text()
+    hidden = json.loads((room / "learner-config" / "labconfig" / "page_config.json").read_text())
+    assert {"@jupyter/nbgrader:formgrader", "@jupyter/nbgrader:create-assignment"} <= set(
+        k for k, v in hidden["disabledExtensions"].items() if v)
+    readme = (room / "README.md").read_text()
+    assert "NOT enforced" in readme and "UNSAFE" in readme and "Nbgrader > Assignment List" in readme
+
+
+def render(**changes):
+    options = dict(folder="/srv/class", learners=["ann"], admin="t", gpus_per_learner=1, threads=2,
+                   mem_gib=3.0, spawner="local", trusted=False, ip="127.0.0.1", port=8000,
+                   proxy_cmd="/opt/chp", idle_timeout=600)
+    return hubconfig.render(**{**options, **changes})
+
+
+def test_by_default_learners_are_accounts_checked_by_pam_and_only_the_roster_logs_in():
+    text = render()
+    compile(text, "jupyterhub_config.py", "exec")
+    assert "class ClassAuthenticator(PAMAuthenticator)" in text and "check_logins(" in text
+    assert "LocalProcessSpawner" in text and "SimpleLocalProcessSpawner" not in text
+    assert "allow_root" not in text and "allow_all =" not in text and "DummyAuthenticator" not in text
+
+
+def test_the_one_account_hub_refuses_to_start_without_its_two_passwords(tmp_path, monkeypatch):
+    from traitlets.config import Config
+
+    text = render(trusted=True, folder=str(tmp_path))
+    for var in hubconfig.PASSWORD_VARS:
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv(hubconfig.PASSWORD_VARS[0], "long-enough")
+    with pytest.raises(SystemExit, match="DDPLAB_HUB_ADMIN_PASSWORD"):
+        exec(compile(text, "jupyterhub_config.py", "exec"), {"get_config": Config})
+
+
+def test_an_account_without_a_password_stops_the_hub_before_it_starts(tmp_path):
+    from ddplab.course.accounts import AccountError, check_logins
+
+    shadow = tmp_path / "shadow"
+    shadow.write_text("root:$y$j9T$abc:19000:0:99999:7:::\nnobody::19000:0:99999:7:::\n")
+    check_logins(["root"], shadow=str(shadow))
+    with pytest.raises(AccountError, match="nobody has no password"):
+        check_logins(["root", "nobody"], shadow=str(shadow))
+    with pytest.raises(AccountError, match="no Unix account"):
+        check_logins(["no-such-learner-xyz"], shadow=str(shadow))
+
+
+def test_help_names_the_one_account_mode_unsafe():
+    out = classroom("--help")
+    assert out.returncode == 0 and "--trusted-class" in out.stdout
+    assert "UNSAFE" in out.stdout.split("--trusted-class", 2)[2][:200]
 
 
 @pytest.mark.parametrize("args, message", [
     (["--learners", "0"], "at least 1"),
     (["--learners", "2", "--proxy", "/no/such/proxy"], "configurable-http-proxy not found"),
+    (["--learners", "2", "--ip", "0.0.0.0"], "--ssl-cert and --ssl-key"),
+    (["--learners", "2", "--ip", "192.168.1.5", "--ssl-cert", "/no/cert.pem", "--ssl-key", "/no/key.pem"],
+     "no such file"),
 ])
 def test_classroom_refuses_bad_options_with_a_message(tmp_path, args, message):
-    out = classroom(str(tmp_path / "c"), *args)
-    assert out.returncode == 2 and message in out.stderr
+    out = classroom(str(tmp_path / "c"), "--trusted-class", *args)
+    assert out.returncode == 2 and message in out.stderr, out.stderr
+    assert not (tmp_path / "c").exists()
+
+
+def test_a_lan_address_takes_tls_or_an_explicit_insecure_lan(tmp_path):
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    cert.write_text("x")
+    key.write_text("x")
+    out = classroom(str(tmp_path / "tls"), "--learners", "1", "--trusted-class", "--proxy", sys.executable,
+                    "--ip", "0.0.0.0", "--ssl-cert", str(cert), "--ssl-key", str(key))
+    assert out.returncode == 0, out.stderr
+    config = (tmp_path / "tls" / "jupyterhub_config.py").read_text()
+    assert f"c.JupyterHub.ssl_cert = {str(cert)!r}" in config and f"c.JupyterHub.ssl_key = {str(key)!r}" in config
+    assert "https://0.0.0.0" in (tmp_path / "tls" / "README.md").read_text()
+    out = classroom(str(tmp_path / "plain"), "--learners", "1", "--trusted-class", "--proxy", sys.executable,
+                    "--ip", "0.0.0.0", "--insecure-lan")
+    assert out.returncode == 0 and "ssl_cert" not in (tmp_path / "plain" / "jupyterhub_config.py").read_text()
 
 
 def test_classroom_refuses_bad_names_and_a_folder_in_use(tmp_path):
@@ -164,9 +238,7 @@ def test_classroom_refuses_bad_names_and_a_folder_in_use(tmp_path):
 
 
 def test_the_systemd_recipe_enforces_memory_and_pins_cpus():
-    text = hubconfig.render(folder="/srv/class", users=["ann"], admin="t", gpus_per_learner=1,
-                            threads=2, mem_gib=3.0, spawner="systemd", auth="pam", ip="127.0.0.1",
-                            port=8000, proxy_cmd="/opt/chp", idle_timeout=600)
+    text = render(spawner="systemd")
     compile(text, "jupyterhub_config.py", "exec")
     assert "c.Spawner.mem_limit = '3.0G'" in text and "AllowedCPUs" in text
     assert "PAMAuthenticator" in text and "SystemdSpawner" in text

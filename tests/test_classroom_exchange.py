@@ -1,6 +1,8 @@
-"""nbgrader's own exchange, end to end, in a course written by `python -m ddplab classroom`.
+"""nbgrader's own exchange, end to end, in a one-account course (`python -m ddplab classroom --trusted-class`).
 
-The instructor releases lab 00; two learners, as their hub servers run them (one uid, each with
+(The default class, learners as their own Unix accounts, goes through the same exchange in
+tests/test_classroom_hub.py.) The instructor releases lab 00; two learners, as the one-account
+mode's hub servers run them (one uid, each with
 JUPYTERHUB_USER set and JUPYTER_CONFIG_PATH on the classroom's learner-config), fetch it, one
 fills in the solutions, both submit; the instructor collects: the submissions are filed under the
 HUB user names (not the one OS user). Then autograde, feedback generated and returned, and each
@@ -35,7 +37,7 @@ def test_release_fetch_submit_collect_autograde_and_feedback_under_hub_user_name
     lab = room.LAB
     roster = tmp_path / "roster.txt"
     roster.write_text("ann\nbob\n")
-    folder = room.make_room(tmp_path / "class", "--roster", str(roster), "--cpu-only",
+    folder = room.make_room(tmp_path / "class", "--roster", str(roster), "--cpu-only", "--trusted-class",
                             "--proxy", sys.executable)
     course = folder / "course"
     room.nbgrader(course, "db", "student", "import", "roster.csv")

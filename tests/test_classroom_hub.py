@@ -1,25 +1,37 @@
-"""A real JupyterHub from `python -m ddplab classroom`, two learners in a real browser, then nbgrader.
+"""A real JupyterHub from `python -m ddplab classroom`, safe by default, two learners in a real browser.
 
-The hub runs on loopback with the config the command writes (DummyAuthenticator with
-allow_all, SimpleLocalProcessSpawner with seats, configurable-http-proxy from `npm ci
---prefix proxy`, jupyterhub-idle-culler) and a fake nvidia-smi on its PATH showing two idle
-GPUs, one per learner. The learners' own servers see no nvidia-smi, so their ranks run gloo on
-CPU (this torch has no CUDA) while CUDA_VISIBLE_DEVICES still says which GPU the hub gave them.
+The class is what the command writes without options about safety: each learner a Unix account of
+their own (created here, deleted at the end), PAM log-in with the generated passwords, the course
+folder the instructor's alone. The hub runs on loopback with configurable-http-proxy from `npm ci
+--prefix proxy`, jupyterhub-idle-culler, and a fake nvidia-smi on the hub's PATH showing two idle
+GPUs, one per learner (the learners' servers see no nvidia-smi, so their ranks run gloo on CPU while
+CUDA_VISIBLE_DEVICES still says which GPU the hub gave them).
 
-1. ann and bob log in through Chromium and open lab 00's exercise (ann's has the solution
-   written in; bob's is untouched); both run its Cluster cell, a %%ddp cell and the grader at
-   the same time.
-2. Each %%ddp output shows that learner's GPU, never the other's.
-3. The instructor autogrades both notebooks: ann full marks, bob 0, in the gradebook.
-4. The idle culler stops both servers: no rank of theirs is left.
-5. The hub stops; no process it started is left.
+1. The instructor releases lab 00; each learner fetches it (nbgrader, as that learner's account).
+2. Log-in: a name not on the roster, a wrong password and an empty one are refused.
+3. learner01 and learner02 log in through Chromium; their Nbgrader menu offers the Assignment List,
+   not Formgrader or the Course List; the instructor's server serves Formgrader on the course.
+4. Both run the Cluster cell, a %%ddp cell and lab 00's grader at the same time; each %%ddp output
+   shows that learner's GPU, never the other's. learner01's notebook then tries to read learner02's
+   home, the course's solutions and the gradebook: three PermissionErrors.
+5. The hub is SIGKILLed: within 30 s no process of the class is left (proxy, culler, servers,
+   kernels, ranks).
+6. The learners submit, the instructor collects (no "cheating attempt" warning: each submission
+   is owned by its learner) and autogrades: learner01 full marks, learner02 0.
+
+Runs as root (CI does): where accounts cannot be created it fails under CI and skips elsewhere.
+The environment must be runnable by other accounts (make test-hub builds .venv-hub from the
+system's Python for that: a pyenv Python under /root is not).
 """
 import json
 import os
+import pwd
 import re
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 from pathlib import Path
@@ -29,166 +41,280 @@ import psutil
 import pytest
 
 import _classroom as room
-from _browser import KERNEL_IDLE_JS, LAB_SETTINGS, chromium, free_port, require_browser
+from _browser import KERNEL_IDLE_JS, LAB_SETTINGS, chromium, free_port, in_ci, require_browser
+from ddplab.course import accounts
 
 pytestmark = [pytest.mark.slow, pytest.mark.hub, pytest.mark.skipif(
     not os.environ.get("DDPLAB_HUB_TEST"), reason="runs under make test-hub (DDPLAB_HUB_TEST=1)")]
 PROXY = room.ROOT / "proxy" / "node_modules" / ".bin" / "configurable-http-proxy"
-GPU_OF = {"ann": "GPU-0000aaaa", "bob": "GPU-0001aaaa"}
+GPU_OF = {"learner01": "GPU-0000aaaa", "learner02": "GPU-0001aaaa"}
+INSTRUCTOR = "instructor"
 DDP_CELLS = ["%load_ext ddplab\n%ddp_start 2 --backend gloo",
              "%%ddp\nimport os\n(rank, os.getpid(), os.environ['CUDA_VISIBLE_DEVICES'])"]
+PEEK = """import os
+for what, path in [('home', {home!r}), ('source', {source!r}), ('gradebook', {gradebook!r})]:
+    try:
+        os.listdir(path) if what == 'home' else open(path, 'rb').read(1)
+        print('READ', what)
+    except PermissionError as e:
+        print('PermissionError', what, e.strerror)"""
 DONE_JS = """([first, count]) => {
   const cells = [...document.querySelectorAll('.jp-NotebookPanel:not(.lm-mod-hidden) .jp-Cell')];
   const want = cells.slice(first, first + count).filter(c => c.classList.contains('jp-CodeCell'));
   return want.length > 0 && want.every(c => /\\[\\d+\\]/.test(c.querySelector('.jp-InputPrompt').textContent));
 }"""
+CELLS = ".jp-NotebookPanel:not(.lm-mod-hidden) .jp-Cell"
 
 
-def notebook_for(user):
-    nb = room.solved() if user == "ann" else room.exercise()
+def need(message):
+    pytest.fail(message) if in_ci() else pytest.skip(message)
+
+
+def require_accounts():
+    why = accounts.can_create()
+    if why is None:
+        blocked = accounts.reachable(Path(sys.prefix)) or accounts.reachable(room.ROOT)
+        if blocked:
+            why = (f"the learners' accounts cannot enter {blocked}, on the way to {sys.prefix}: run "
+                   "this test from an environment they can run (make test-hub builds .venv-hub)")
+    if why:
+        need(f"learners as Unix accounts cannot be tested here: {why}")
+    taken = [n for n in [*GPU_OF, INSTRUCTOR] if accounts.exists(n)]
+    if taken:
+        pytest.fail(f"Unix accounts {taken} exist already: a leftover of an earlier run? "
+                    "(userdel --remove NAME as root, if they are)")
+
+
+def notebook_for(user, folder):
+    nb = room.solved() if user == "learner01" else room.exercise()
     first = next(i for i, c in enumerate(nb.cells) if "ddplab.Cluster(" in c.source)
     extra = [nbformat.v4.new_code_cell(src) for src in DDP_CELLS]
+    if user == "learner01":
+        course = folder / "course"
+        extra.append(nbformat.v4.new_code_cell(PEEK.format(
+            home=str(folder / "homes" / "learner02"), gradebook=str(course / "gradebook.db"),
+            source=str(course / "source" / room.LAB / f"{room.LAB}.ipynb"))))
     for k, cell in enumerate(extra):
         cell.id = f"hub-test-{k}"
     nb.cells[first + 1:first + 1] = extra
     return nb, first
 
 
-def user_procs(user):
-    found = []
-    for p in psutil.process_iter(["pid"]):
-        try:
-            if p.environ().get("JUPYTERHUB_USER") == user:
-                found.append(p)
-        except (psutil.Error, OSError):
-            pass
-    return found
-
-
-def api(url, token, path, method="GET"):
-    req = urllib.request.Request(f"{url}/hub/api{path}", method=method,
-                                 headers={"Authorization": f"token {token}"})
+def api(url, token, path, method="GET", server=False):
+    full = f"{url}{path}" if server else f"{url}/hub/api{path}"
+    req = urllib.request.Request(full, method=method, headers={"Authorization": f"token {token}"})
     with urllib.request.urlopen(req, timeout=30) as r:
-        import json
         body = r.read()
-        return json.loads(body) if body else None
+        return body.decode() if server else (json.loads(body) if body else None)
 
 
 def run_cells(page, first, count):
-    cells = page.locator(".jp-NotebookPanel:not(.lm-mod-hidden) .jp-Cell")
-    cells.nth(first).locator(".jp-InputPrompt").click()
+    page.locator(CELLS).nth(first).locator(".jp-InputPrompt").click()
     for _ in range(count):
         page.keyboard.press("Shift+Enter")
 
 
+def log_in(browser, url, user, password):
+    page = browser.new_context(viewport={"width": 1400, "height": 1000}).new_page()
+    page.goto(f"{url}/hub/login")
+    page.fill("#username_input", user)
+    page.fill("#password_input", password)
+    page.click("#login_submit")
+    return page
+
+
+def refused(browser, url, user, password):
+    page = log_in(browser, url, user, password)
+    page.wait_for_selector("text=Invalid username or password", timeout=30_000)
+    assert "/hub/login" in page.url and "/user/" not in page.url, page.url
+    page.context.close()
+
+
+def nbgrader_menu(page):
+    page.locator(".lm-MenuBar-itemLabel", has_text="Nbgrader").click()
+    items = page.locator(".lm-Menu-itemLabel").all_inner_texts()
+    page.keyboard.press("Escape")
+    return [i.strip() for i in items if i.strip()]
+
+
+def class_processes(hub_pid, uids):
+    """Every process the hub started (its descendants) and every process of a learner's uid."""
+    found = set()
+    try:
+        found |= {(p.pid, p.create_time()) for p in psutil.Process(hub_pid).children(recursive=True)}
+    except psutil.Error:
+        pass
+    for p in psutil.process_iter(["uids", "create_time"]):
+        if p.info["uids"] and p.info["uids"].real in uids:
+            found.add((p.pid, p.info["create_time"]))
+    return found
+
+
+def alive(procs):
+    left = []
+    for pid, created in procs:
+        try:
+            p = psutil.Process(pid)
+            if p.create_time() == created and p.status() != psutil.STATUS_ZOMBIE:
+                left.append(f"{pid} {' '.join(p.cmdline())[:120]}")
+        except psutil.Error:
+            pass
+    return left
+
+
 @pytest.mark.timeout(600)
-def test_two_learners_on_a_real_hub_then_autograde_then_cull(tmp_path):
+def test_a_safe_class_two_learners_on_a_real_hub_sigkill_then_autograde():
     chromium_path = require_browser()
     if not PROXY.exists():
-        message = "configurable-http-proxy is missing: npm ci --prefix proxy (make test-hub does it)"
-        pytest.fail(message) if os.environ.get("CI") else pytest.skip(message)
+        need("configurable-http-proxy is missing: npm ci --prefix proxy (make test-hub does it)")
+    require_accounts()
     start = time.monotonic()
-    port, token = free_port(), "hubtest" + os.urandom(8).hex()
-    folder = room.make_room(tmp_path / "class", "--roster", str(_roster(tmp_path)),
-                            "--gpus-per-learner", "1", "--threads", "1", "--port", str(port),
-                            "--idle-timeout", "30", "--proxy", str(PROXY))
-    with open(folder / "jupyterhub_config.py", "a") as f:  # the test's own admin token
-        f.write(f"\nc.JupyterHub.services.append({{'name': 'test', 'api_token': {token!r}}})\n"
-                "c.JupyterHub.load_roles.append({'name': 'test', 'scopes': ['admin:users', "
-                "'admin:servers', 'list:users', 'read:users'], 'services': ['test']})\n")
-    fakebin = tmp_path / "fakebin"
-    fakebin.mkdir()
-    from test_classroom import fake_smi
-    fake_smi(fakebin, 2)
-    notebooks = {}
-    for user in GPU_OF:
-        # every cell stays in the page (JupyterLab's windowing would leave far cells unrendered)
-        settings = folder / "homes" / user / ".jupyter" / "lab" / "user-settings" / "@jupyterlab"
-        for rel, content in LAB_SETTINGS.items():
-            (settings.parent / rel).parent.mkdir(parents=True, exist_ok=True)
-            (settings.parent / rel).write_text(json.dumps(content))
-        nb, first = notebook_for(user)
-        nbformat.write(nb, folder / "homes" / user / f"{room.LAB}.ipynb")
-        notebooks[user] = first
-    env = dict(room.env(), DDPLAB_HUB_ACTIVITY_INTERVAL="5")
-    hub_env = dict(env, PATH=f"{fakebin}{os.pathsep}{env['PATH']}")
-    # the learners' servers get the hub's PATH: keep the fake nvidia-smi out of theirs
-    (folder / "jupyterhub_config.py").write_text((folder / "jupyterhub_config.py").read_text().replace(
-        "'PATH': os.environ.get('PATH', '')", f"'PATH': {env['PATH']!r}"))
-    # the ports are chosen now, not before the slow steps above (other jobs take free ports)
-    port = free_port()
-    config = folder / "jupyterhub_config.py"
-    config.write_text(re.sub(r"c.JupyterHub.port = \d+", f"c.JupyterHub.port = {port}", config.read_text()))
-    log = open(folder / "hub.log", "w")
-    hub = subprocess.Popen([sys.executable, "-m", "jupyterhub", "-f", "jupyterhub_config.py"],
-                           cwd=folder, env=hub_env, stdout=log, stderr=subprocess.STDOUT,
-                           start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
-    rank_pids = {}
+    base = Path(tempfile.mkdtemp(prefix="ddplab-hub-test-"))
+    base.chmod(0o755)  # the learners' accounts walk through it to their homes
+    folder, hub, log = base / "class", None, None
     try:
+        roster = base / "roster.txt"
+        roster.write_text("\n".join(GPU_OF) + "\n")
+        out = room.classroom(folder, "--roster", str(roster), "--instructor", INSTRUCTOR,
+                             "--gpus-per-learner", "1", "--threads", "1", "--port", str(free_port()),
+                             "--idle-timeout", "600", "--proxy", str(PROXY))
+        assert out.returncode == 0, out.stderr
+        passwords = room.passwords(out.stdout)
+        assert set(passwords) == {*GPU_OF, INSTRUCTOR}, out.stdout
+        assert "learner01" in (folder / "accounts.txt").read_text()
+        for user in GPU_OF:
+            assert (folder / "homes" / user).stat().st_mode & 0o777 == 0o700
+        assert (folder / "course").stat().st_mode & 0o777 == 0o700
+        token = "hubtest" + os.urandom(8).hex()
+        with open(folder / "jupyterhub_config.py", "a") as f:  # the test's own admin token
+            f.write(f"\nc.JupyterHub.services.append({{'name': 'test', 'api_token': {token!r}}})\n"
+                    "c.JupyterHub.load_roles.append({'name': 'test', 'scopes': ['admin:users', "
+                    "'admin:servers', 'list:users', 'read:users', 'access:servers'], "
+                    "'services': ['test']})\n")
+        course, learner_env = folder / "course", {"JUPYTER_CONFIG_PATH": str(folder / "learner-config")}
+
+        def nbgrader(user, *args):
+            cwd = course if user == INSTRUCTOR else folder / "homes" / user
+            done = room.as_user(user, cwd, sys.executable, "-m", "nbgrader", *args,
+                                extra=None if user == INSTRUCTOR else learner_env)
+            assert done.returncode == 0, f"{user}: nbgrader {args}:\n{done.stdout[-2000:]}\n{done.stderr[-2000:]}"
+            return done.stdout + done.stderr
+
+        nbgrader(INSTRUCTOR, "db", "student", "import", "roster.csv")
+        nbgrader(INSTRUCTOR, "generate_assignment", room.LAB, "--force")
+        nbgrader(INSTRUCTOR, "release_assignment", room.LAB, "--force")
+        firsts = {}
+        for user in GPU_OF:
+            nbgrader(user, "fetch_assignment", room.LAB)
+            home = folder / "homes" / user
+            fetched = home / room.LAB / f"{room.LAB}.ipynb"
+            assert "raise NotImplementedError" in fetched.read_text()  # the exercise, not the solution
+            nb, firsts[user] = notebook_for(user, folder)
+            nbformat.write(nb, fetched)
+            # every cell stays in the page (JupyterLab's windowing would leave far cells unrendered)
+            settings = home / ".jupyter" / "lab" / "user-settings"
+            for rel, content in LAB_SETTINGS.items():
+                (settings / rel).parent.mkdir(parents=True, exist_ok=True)
+                (settings / rel).write_text(json.dumps(content))
+            subprocess.run(["chown", "-R", f"{user}:{user}", str(home)], check=True)
+        fakebin = base / "fakebin"
+        fakebin.mkdir()
+        from test_classroom import fake_smi
+        fake_smi(fakebin, 2)
+        env = dict(room.env(), DDPLAB_HUB_ACTIVITY_INTERVAL="5")
+        hub_env = dict(env, PATH=f"{fakebin}{os.pathsep}{env['PATH']}")
+        # the ports are chosen now, not before the slow steps above (other jobs take free ports)
+        port = free_port()
+        config = folder / "jupyterhub_config.py"
+        config.write_text(re.sub(r"c.JupyterHub.port = \d+", f"c.JupyterHub.port = {port}", config.read_text()))
+        log = open(folder / "hub.log", "w")  # noqa: SIM115 (closed in finally)
+        hub = subprocess.Popen([sys.executable, "-m", "jupyterhub", "-f", "jupyterhub_config.py"],
+                               cwd=folder, env=hub_env, stdout=log, stderr=subprocess.STDOUT,
+                               start_new_session=True)
+        url = f"http://127.0.0.1:{port}"
         _wait(lambda: _up(url), 120, "the hub did not answer", folder)
+        api(url, token, f"/users/{INSTRUCTOR}/server", method="POST")  # comes up while learners log in
+        rank_pids = {}
         with chromium(chromium_path) as page0:
             browser = page0.context.browser
+            refused(browser, url, "stranger", passwords["learner01"])       # not on the roster
+            refused(browser, url, "learner01", passwords["learner02"])      # someone else's password
+            refused(browser, url, "learner01", "")                          # no password
             pages = {}
             for user in GPU_OF:
-                page = browser.new_context(viewport={"width": 1400, "height": 1000}).new_page()
-                page.goto(f"{url}/hub/login")
-                page.fill("#username_input", user)
-                page.click("#login_submit")
+                page = log_in(browser, url, user, passwords[user])
                 page.wait_for_url(re.compile(rf".*/user/{user}/lab.*"), timeout=120_000)
-                page.goto(f"{url}/user/{user}/lab/tree/{room.LAB}.ipynb")
+                page.goto(f"{url}/user/{user}/lab/tree/{room.LAB}/{room.LAB}.ipynb")
                 page.wait_for_selector(".jp-NotebookPanel .jp-Cell", timeout=120_000)
                 page.wait_for_function(KERNEL_IDLE_JS, timeout=120_000)
+                menu = nbgrader_menu(page)
+                assert "Assignment List" in menu and not {"Formgrader", "Course List"} & set(menu), menu
                 pages[user] = page
-            # Cluster cell, %ddp_start, %%ddp cell: both learners at once
+            for user, page in pages.items():  # Cluster cell, %ddp_start, %%ddp cell: both at once
+                run_cells(page, firsts[user], 3 + (user == "learner01"))
             for user, page in pages.items():
-                run_cells(page, notebooks[user], 3)
+                page.wait_for_function(DONE_JS, arg=[firsts[user], 3 + (user == "learner01")],
+                                       timeout=240_000)
+            sols = {}
+            for user, page in pages.items():  # the solution and its grader, both learners at once
+                sols[user] = next(i for i, c in enumerate(notebook_for(user, folder)[0].cells)
+                                  if c.metadata.get("nbgrader", {}).get("solution"))
+                run_cells(page, sols[user], 2)
             for user, page in pages.items():
-                page.wait_for_function(DONE_JS, arg=[notebooks[user], 3], timeout=240_000)
-            # the solution and its grader, both learners at once
+                page.wait_for_function(DONE_JS, arg=[sols[user], 2], timeout=240_000)
             for user, page in pages.items():
-                sol = next(i for i, c in enumerate(notebook_for(user)[0].cells)
-                           if c.metadata.get("nbgrader", {}).get("solution"))
-                run_cells(page, sol, 2)
-                pages[user].sol = sol
-            for user, page in pages.items():
-                page.wait_for_function(DONE_JS, arg=[page.sol, 2], timeout=240_000)
-            for user, page in pages.items():
-                text = page.locator(".jp-NotebookPanel:not(.lm-mod-hidden) .jp-Cell").nth(
-                    notebooks[user] + 2).inner_text()
+                text = page.locator(CELLS).nth(firsts[user] + 2).inner_text()
                 other = next(g for u, g in GPU_OF.items() if u != user)
                 assert GPU_OF[user] in text and other not in text, (user, text)
                 rank_pids[user] = [int(p) for p in re.findall(r"\(\d, (\d+), ", text)]
                 assert len(rank_pids[user]) == 2, text
-                grader = page.locator(".jp-NotebookPanel:not(.lm-mod-hidden) .jp-Cell").nth(
-                    page.sol + 1).inner_text()
-                assert ("not implemented yet" in grader) == (user == "bob"), grader
-        everyone = {u: [p.pid for p in user_procs(u)] for u in GPU_OF}
-        assert all(everyone.values()), everyone
-        # the instructor collects (submitted/<student>/<lab>/) and autogrades
-        course = folder / "course"
+                grader = page.locator(CELLS).nth(sols[user] + 1).inner_text()
+                assert ("not implemented yet" in grader) == (user == "learner02"), grader
+            peek = pages["learner01"].locator(CELLS).nth(firsts["learner01"] + 3).inner_text()
+            for what in ("home", "source", "gradebook"):
+                assert f"PermissionError {what}" in peek, peek
+            assert "READ" not in peek, peek
+            # the instructor's JupyterLab serves Formgrader on the course (the released lab in it)
+            _wait(lambda: api(url, token, f"/users/{INSTRUCTOR}")["servers"].get("", {}).get("ready"),
+                  120, "the instructor's server did not start", folder)
+            assert room.LAB in api(url, token, f"/user/{INSTRUCTOR}/formgrader/api/assignments",
+                                   server=True)
+        # SIGKILL: the hub cannot clean up; everything it started must stop by itself
+        uids = {pwd.getpwnam(u).pw_uid for u in [*GPU_OF, INSTRUCTOR]}
+        procs = class_processes(hub.pid, uids)
+        pids = {pid for pid, _ in procs}
+        assert all(p in pids for ps in rank_pids.values() for p in ps), (rank_pids, pids)
+        culler = [p for p in psutil.Process(hub.pid).children(recursive=True)
+                  if "jupyterhub_idle_culler" in " ".join(p.cmdline())]
+        assert culler, "no idle culler running"
+        killed = time.monotonic()
+        hub.send_signal(signal.SIGKILL)
+        hub.wait(timeout=10)
+        while alive(procs) and time.monotonic() - killed < 30:
+            time.sleep(0.5)
+        left = alive(procs) + alive(class_processes(os.getpid(), uids) - procs)
+        assert not left, f"30 s after the hub's SIGKILL these are left: {left}"
+        gone_s = time.monotonic() - killed
+        # the learners submit, the instructor collects and autogrades
         for user in GPU_OF:
-            room.submit(course, user, nbformat.read(folder / "homes" / user / f"{room.LAB}.ipynb", 4))
-        scores = room.instructor_grade(course, list(GPU_OF))
-        assert scores == {"ann": float(sum(room.points().values())), "bob": 0.0}
-        # the culler stops both idle servers; their kernels' ranks go with them
-        _wait(lambda: not any(api(url, token, f"/users/{u}")["servers"] for u in GPU_OF), 180,
-              "the idle culler did not stop the servers", folder)
-        _wait(lambda: not any(psutil.pid_exists(p) for ps in everyone.values() for p in ps), 30,
-              "processes of a culled server are left", folder)
-        assert "Culling server" in (folder / "hub.log").read_text()
-        print(f"hub test: {time.monotonic() - start:.0f} s, scores {scores}")
+            nbgrader(user, "submit", room.LAB)
+        collected = nbgrader(INSTRUCTOR, "collect", room.LAB)
+        assert "cheating" not in collected, collected
+        for user in GPU_OF:
+            assert (course / "submitted" / user / room.LAB / f"{room.LAB}.ipynb").is_file()
+        nbgrader(INSTRUCTOR, "autograde", room.LAB, "--force")
+        scores = room.scores(course, list(GPU_OF))
+        assert scores == {"learner01": float(sum(room.points().values())), "learner02": 0.0}
+        print(f"hub test: {time.monotonic() - start:.0f} s; everything gone {gone_s:.1f} s after "
+              f"the hub's SIGKILL; scores {scores}")
     finally:
-        _stop(hub)
-        log.close()
-    left = [p for u in GPU_OF for p in user_procs(u)]
-    assert not left, f"left behind: {left}"
-
-
-def _roster(tmp_path):
-    path = tmp_path / "roster.txt"
-    path.write_text("ann\nbob\n")
-    return path
+        if hub is not None:
+            _stop(hub)
+        if log is not None:
+            log.close()
+        room.classroom(folder, "--delete-accounts")  # the accounts, their homes, their processes
+        shutil.rmtree(base, ignore_errors=True)
+    assert not [n for n in [*GPU_OF, INSTRUCTOR] if accounts.exists(n)], "accounts left behind"
 
 
 def _up(url):
@@ -202,8 +328,11 @@ def _up(url):
 def _wait(predicate, timeout_s, message, folder):
     end = time.monotonic() + timeout_s
     while time.monotonic() < end:
-        if predicate():
-            return
+        try:
+            if predicate():
+                return
+        except OSError:
+            pass
         time.sleep(1)
     pytest.fail(f"{message}:\n{(folder / 'hub.log').read_text()[-3000:]}")
 

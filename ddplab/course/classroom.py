@@ -1,37 +1,43 @@
 """``python -m ddplab classroom``: a class on one server, from a few options, into one folder.
 
-Teaches how the Jupyter ecosystem's own parts fit a ddplab workshop:
-JupyterHub (with configurable-http-proxy, an authenticator, a spawner and
-jupyterhub-idle-culler) gives each learner a JupyterLab with a seat (GPUs and
-CPUs, :mod:`ddplab.course.seats`); nbgrader hands out the labs as
-assignments, collects them and autogrades them on live ranks.
+Teaches how the Jupyter ecosystem's own parts fit a ddplab workshop, safely by default:
+JupyterHub (with configurable-http-proxy, PAM log-in, a spawner and jupyterhub-idle-culler)
+gives each learner a JupyterLab with a seat (GPUs and CPUs, :mod:`ddplab.course.seats`),
+running as that learner's own Unix account (:mod:`ddplab.course.accounts`); nbgrader hands out
+the labs as assignments, collects them and autogrades them on live ranks.
 
-The folder it writes::
+The folder it writes (modes as set here; "instructor" is the ``--instructor`` account)::
 
     jupyterhub_config.py       the hub (hubconfig.py says what each line is for)
-    course/nbgrader_config.py  the instructor's nbgrader course: ddplab's stub and
-                               preprocessors, a per-cell timeout above the graders' 40 s
-    course/source/<lab>/<lab>.ipynb   every graded lab, one assignment each
-    course/roster.csv          the learners, for `nbgrader db student import`
-    learner-config/nbgrader_config.py the learners' side: exchange, course, student id
-    exchange/                  nbgrader's exchange folder (release, collect)
-    homes/<learner>/           each learner's folder (local-process spawner)
+    hub/                       the hub's database and cookie secret (0700, made at start)
+    course/                    0700, the instructor's: nbgrader's course, the solutions
+                               (course/source/<lab>/<lab>.ipynb), the gradebook, the roster
+    learner-config/            the learners' side of nbgrader (exchange, course, student id),
+                               Formgrader and Create Assignment switched off
+    exchange/                  nbgrader's exchange (1777 with the sticky bit, as nbgrader asks)
+    homes/<learner>/           each learner's home (0700, the learner's own)
+    accounts.txt               the accounts this command created (for --delete-accounts)
     README.md                  the instructor's steps
 
-Leaves out: creating system accounts (PAM needs them; a one-day workshop uses
-the dummy or first-use authenticator instead) and TLS (docs/classroom.md).
+Each learner's password (and the instructor's, for an account it creates) is generated,
+printed once, and kept only as a hash by the system. ``--trusted-class`` keeps the old
+one-account mode: every server runs as the hub's user and every learner can read the
+solutions; only for a class whose learners may see everything.
+
+Leaves out: directory services (LDAP), OAuth log-in, Kubernetes.
 References: JupyterHub and nbgrader documentation; docs/classroom.md.
 """
 from __future__ import annotations
 
 import argparse
 import csv
+import json
 import pathlib
 import re
 import shutil
 import sys
 
-from ddplab.course import hubconfig
+from ddplab.course import accounts, hubconfig, safety
 
 COURSE_ID = "ddplab"
 NAME = re.compile(r"^[a-z][a-z0-9_-]{0,31}$")
@@ -40,11 +46,19 @@ CELL_TIMEOUT_S = 120
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("folder", help="where to write the set-up (created; must be empty or absent)")
+    p.add_argument("folder", help="where to write the set-up (created; must be empty or absent); "
+                                  "with --delete-accounts, the class to remove the accounts of")
     who = p.add_mutually_exclusive_group(required=True)
     who.add_argument("--learners", type=int, help="this many learners, named learner01, learner02, ...")
     who.add_argument("--roster", help="a file with one learner name per line")
-    p.add_argument("--instructor", default="instructor", help="the hub admin's name")
+    who.add_argument("--delete-accounts", action="store_true",
+                     help="delete the Unix accounts (and homes) this command created for FOLDER's class")
+    p.add_argument("--instructor", default="instructor",
+                   help="the hub admin's name; an existing account of that name is used as it is, "
+                        "else one is created [instructor]")
+    p.add_argument("--trusted-class", action="store_true",
+                   help="UNSAFE: no Unix accounts; every learner's server runs as the hub's user, so "
+                        "every learner can read the solutions, the gradebook and each other's work")
     p.add_argument("--gpus-per-learner", type=int, default=None,
                    help="GPUs in each learner's set (default 2 when nvidia-smi shows GPUs, else 0)")
     p.add_argument("--cpu-only", action="store_true", help="no GPUs for anyone (gloo on CPU)")
@@ -52,9 +66,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--mem-gib", type=float, default=3.0,
                    help="memory per learner, enforced by the systemd spawner only [3]")
     p.add_argument("--spawner", choices=hubconfig.SPAWNERS, default="local")
-    p.add_argument("--auth", choices=sorted(hubconfig.AUTHENTICATORS), default="dummy")
     p.add_argument("--ip", default="127.0.0.1",
-                   help="where the proxy listens for browsers [127.0.0.1; put TLS in front before 0.0.0.0]")
+                   help="where the proxy listens for browsers [127.0.0.1]; another address needs "
+                        "--ssl-cert and --ssl-key, or --insecure-lan")
+    p.add_argument("--ssl-cert", help="TLS certificate (PEM) for --ip: the class is served over https")
+    p.add_argument("--ssl-key", help="the certificate's private key (PEM)")
+    p.add_argument("--insecure-lan", action="store_true",
+                   help="serve a non-loopback --ip over plain http (passwords cross the network "
+                        "readable): only on a network you trust")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--proxy", default=None,
                    help="configurable-http-proxy (default: proxy/node_modules/.bin in the ddplab "
@@ -111,18 +130,35 @@ def graded_labs() -> list[pathlib.Path]:
     return [p for p in sorted(labs.glob("[0-9][0-9]-*.ipynb")) if (labs / "exercises" / p.name).exists()]
 
 
-def write(args) -> pathlib.Path:
+def write(args) -> tuple[pathlib.Path, dict]:
+    """Write the class folder; returns it and the passwords to show once (name -> password)."""
     folder = pathlib.Path(args.folder).resolve()
     if folder.exists() and any(folder.iterdir()):
         raise ValueError(f"{folder} is not empty: choose a new folder")
     names, proxy, per = learners(args), find_proxy(args.proxy), gpus_per_learner(args)
     if args.threads < 1:
         raise ValueError("--threads must be at least 1")
+    safety.check_network(args)
+    if not args.trusted_class:
+        safety.check_accounts(names, args.instructor)
+    folder.mkdir(parents=True, exist_ok=True)
+    folder.chmod(0o755)
+    try:
+        return _fill(folder, names, proxy, per, args)
+    except BaseException:
+        shutil.rmtree(folder, ignore_errors=True)  # it was empty or absent: leave nothing half-made
+        raise
+
+
+def _fill(folder: pathlib.Path, names: list[str], proxy: str, per: int, args) -> tuple[pathlib.Path, dict]:
+    if not args.trusted_class and accounts.reachable(folder):
+        raise ValueError(f"learners cannot enter {folder} ({accounts.reachable(folder)} is closed to "
+                         "other users): choose a folder such as /srv/ddplab-class")
     course, exchange = folder / "course", folder / "exchange"
     for sol in graded_labs():
         (course / "source" / sol.stem).mkdir(parents=True)
         shutil.copyfile(sol, course / "source" / sol.stem / sol.name)
-    for d in [exchange, folder / "learner-config"] + [folder / "homes" / n for n in names]:
+    for d in [exchange, folder / "learner-config" / "labconfig", folder / "homes"]:
         d.mkdir(parents=True, exist_ok=True)
     exchange.chmod(0o1777)  # nbgrader's exchange: every learner may submit (sticky, like /tmp)
     with open(course / "roster.csv", "w", newline="") as f:
@@ -130,15 +166,21 @@ def write(args) -> pathlib.Path:
         w.writerow(["id"])
         w.writerows([n] for n in names)
     (course / "nbgrader_config.py").write_text(course_config(course, exchange))
-    (folder / "learner-config" / "nbgrader_config.py").write_text(learner_config(exchange))
+    write_learner_config(folder / "learner-config", exchange)
     (folder / "jupyterhub_config.py").write_text(hubconfig.render(
-        folder=str(folder), users=names + [args.instructor], admin=args.instructor,
-        gpus_per_learner=per, threads=args.threads, mem_gib=args.mem_gib, spawner=args.spawner,
-        auth=args.auth, ip=args.ip, port=args.port, proxy_cmd=proxy, idle_timeout=args.idle_timeout))
+        folder=str(folder), learners=names, admin=args.instructor, gpus_per_learner=per,
+        threads=args.threads, mem_gib=args.mem_gib, spawner=args.spawner, trusted=args.trusted_class,
+        ip=args.ip, port=args.port, proxy_cmd=proxy, idle_timeout=args.idle_timeout,
+        ssl_cert=args.ssl_cert and str(pathlib.Path(args.ssl_cert).resolve()),
+        ssl_key=args.ssl_key and str(pathlib.Path(args.ssl_key).resolve())))
     from ddplab.course.classroom_readme import readme
 
     (folder / "README.md").write_text(readme(folder, names, per, args))
-    return folder
+    if args.trusted_class:
+        for n in names + [args.instructor]:
+            (folder / "homes" / n).mkdir(exist_ok=True)
+        return folder, {var: accounts.new_password() for var in hubconfig.PASSWORD_VARS}
+    return folder, safety.make_accounts(folder, names, args.instructor)
 
 
 def course_config(course: pathlib.Path, exchange: pathlib.Path) -> str:
@@ -158,6 +200,21 @@ def course_config(course: pathlib.Path, exchange: pathlib.Path) -> str:
     ])
 
 
+# What a learner's JupyterLab leaves out (page_config.json's disabledExtensions): nbgrader's
+# instructor tools, and JupyterLab's news pop-up (it asks to fetch news from the internet).
+LEARNER_HIDDEN = ["@jupyter/nbgrader:formgrader", "@jupyter/nbgrader:course-list",
+                  "@jupyter/nbgrader:create-assignment", "@jupyterlab/apputils-extension:announcements"]
+
+
+def write_learner_config(config: pathlib.Path, exchange: pathlib.Path) -> None:
+    """learner-config/: read by every learner's server (JUPYTER_CONFIG_PATH), written by root."""
+    (config / "nbgrader_config.py").write_text(learner_config(exchange))
+    (config / "labconfig" / "page_config.json").write_text(
+        json.dumps({"disabledExtensions": dict.fromkeys(LEARNER_HIDDEN, True)}, indent=1) + "\n")
+    for path in [config, config / "labconfig"]:
+        path.chmod(0o755)
+
+
 def learner_config(exchange: pathlib.Path) -> str:
     return "\n".join([
         '"""nbgrader for a learner\'s server (JUPYTER_CONFIG_PATH points here)."""',
@@ -166,11 +223,11 @@ def learner_config(exchange: pathlib.Path) -> str:
         "c = get_config()  # noqa: F821",
         f"c.CourseDirectory.course_id = {COURSE_ID!r}",
         f"c.Exchange.root = {str(exchange)!r}",
-        "# Every learner's server runs under one uid with the local-process spawner; nbgrader",
-        "# would take the OS user name for all of them (it reads JUPYTERHUB_USER only for",
-        "# 'jovyan'), so the student id is the hub's user name.",
-        "# Their submit cache is shared for the same reason, and fetch_feedback returns the",
-        "# feedback of every submission in the cache: one cache per learner.",
+        "# The student id is the hub's user name. With learners as their own accounts it is also",
+        "# the OS user name, which nbgrader takes by default; in the one-account mode",
+        "# (--trusted-class) every server has the same OS user, and nbgrader reads",
+        "# JUPYTERHUB_USER only for 'jovyan'. There they would also share one submit cache, and",
+        "# fetch_feedback returns the feedback of every submission in it: one cache per learner.",
         "if os.environ.get('JUPYTERHUB_USER'):",
         "    from jupyter_core.paths import jupyter_data_dir",
         "",
@@ -182,10 +239,27 @@ def learner_config(exchange: pathlib.Path) -> str:
 
 
 def run(args, parser) -> int:
+    if args.delete_accounts:
+        gone = safety.delete_accounts(pathlib.Path(args.folder))
+        print(f"deleted {len(gone)} account(s) and their homes: {' '.join(gone) or '(none recorded)'}")
+        return 0
     try:
-        folder = write(args)
-    except ValueError as e:
+        folder, passwords = write(args)
+    except (ValueError, accounts.AccountError) as e:
         parser.error(str(e))
-    print(f"wrote {folder}: read {folder / 'README.md'}, then\n"
-          f"  cd {folder} && {sys.executable} -m jupyterhub -f jupyterhub_config.py")
+    hub = f"{sys.executable} -m jupyterhub -f jupyterhub_config.py"
+    print(f"wrote {folder}: read {folder / 'README.md'}")
+    if args.trusted_class:
+        print("\nUNSAFE one-account class (--trusted-class): every learner can read the solutions,\n"
+              "the gradebook and each other's work. The passwords below are shown once:\n"
+              "the learners share the first, the instructor logs in with the second.\n\n"
+              f"  cd {folder} && " + " ".join(f"{k}={v}" for k, v in passwords.items()) + f" \\\n    {hub}")
+        return 0
+    print("\nPasswords, shown this once (the system keeps only their hashes; as root,\n"
+          "`passwd NAME` sets a new one):\n")
+    width = max(map(len, passwords))
+    for name, password in passwords.items():
+        print(f"  {name:<{width}}  {password}")
+    print(f"\nStart the hub as root (it checks passwords and starts each server as its learner):\n"
+          f"  cd {folder} && {hub}")
     return 0

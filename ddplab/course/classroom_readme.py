@@ -17,35 +17,60 @@ def readme(folder, names, gpus_per_learner, args) -> str:
              "Cluster starts" if gpus_per_learner else "CPU only (gloo)")
     mem = ("enforced (systemd units)" if args.spawner == "systemd"
            else "NOT enforced: the local-process spawner ignores mem_limit")
+    scheme = "https" if args.ssl_cert else "http"
+    bin_dir = py.rsplit('/', 1)[0]
+    if args.trusted_class:
+        who = ("UNSAFE one-account class (--trusted-class): every learner's server runs as the hub's "
+               "user, so every learner can read the solutions, the gradebook and each other's work.")
+        start = (f"    DDPLAB_HUB_PASSWORD=... DDPLAB_HUB_ADMIN_PASSWORD=... {py} -m jupyterhub -f "
+                 "jupyterhub_config.py\n    # the two passwords `classroom` printed (8 characters or more)")
+        as_instructor = ""
+    else:
+        who = ("Each learner is a Unix account of their own (home 0700); course/ (solutions, gradebook) "
+               f"belongs to {args.instructor} alone (0700). Passwords were printed once by `classroom`; "
+               "as root, `passwd NAME` sets a new one.")
+        start = f"    sudo {py} -m jupyterhub -f jupyterhub_config.py   # as root: PAM and setuid need it"
+        as_instructor = f"runuser -u {args.instructor} -- "
     return f"""# A ddplab class: {len(names)} learner(s)
 
 Written by `python -m ddplab classroom`. docs/classroom.md in ddplab explains every choice.
 
-- Learners: {', '.join(names[:8])}{' ...' if len(names) > 8 else ''}; admin: {args.instructor}.
+- {who}
+- Learners: {', '.join(names[:8])}{' ...' if len(names) > 8 else ''}; instructor (hub admin): {args.instructor}.
 - Seats: {seats}; {args.threads} CPU(s) per learner (affinity); memory {args.mem_gib} GiB {mem}.
-- Hub: http://{args.ip}:{args.port}/ (proxy), hub API and proxy API on 127.0.0.1 only.
+- Hub: {scheme}://{args.ip}:{args.port}/ (proxy), hub API and proxy API on 127.0.0.1 only.
 - Idle servers stop after {args.idle_timeout} s (jupyterhub-idle-culler): their ranks and seat go too.
+- If the hub is killed, its proxy, culler, servers, kernels and ranks stop with it; start it again.
 
 ## Start and stop
 
     cd {folder}
-    {py} -m jupyterhub -f jupyterhub_config.py     # Ctrl-C stops the hub and every server
+{start}
+    # Ctrl-C stops the hub and every server
 
-## The exercises with nbgrader (from course/)
+## The exercises with nbgrader
+
+As the instructor: in your JupyterLab (log in as {args.instructor}), Nbgrader > Formgrader, or a
+terminal there; from a root shell, put `{as_instructor or ''}` in front of each command.
 
     cd {folder}/course
-    export PATH={py.rsplit('/', 1)[0]}:$PATH         # nbgrader's gradebook runs `alembic`
+    export PATH={bin_dir}:$PATH         # nbgrader's gradebook runs `alembic`
     nbgrader db student import roster.csv            # the learners, in the gradebook
     nbgrader generate_assignment 00-first-process-group   # once per lab you hand out
     nbgrader release_assignment 00-first-process-group
-    # learners: Assignments tab (or `nbgrader fetch_assignment` / `submit` in a terminal)
+    # learners: Nbgrader > Assignment List in JupyterLab: Fetch, then Submit
     nbgrader collect 00-first-process-group          # into submitted/<learner>/<lab>/
     nbgrader autograde 00-first-process-group        # one notebook at a time, on live ranks
     nbgrader generate_feedback 00-first-process-group
     nbgrader release_feedback 00-first-process-group
+    # learners: Nbgrader > Assignment List, Fetch Feedback
     nbgrader export                                  # grades.csv
 
 A learner's score for a lab is the number of its graders that pass; a failing grader's
 feedback shows the CheckFailed message that names the mistake (e.g. "no division by world
 size").
+
+## After the class
+
+    sudo {py} -m ddplab classroom {folder} --delete-accounts   # the accounts and their homes
 """

@@ -58,7 +58,8 @@ def header(solution_name: str) -> str:
     return (f"> **Exercise version.** Cells with `{STUB}` are yours to write; the cell after "
             "each one grades it on the live ranks and names the mistake if there is one. "
             "If you skip an exercise, later cells use ddplab's own implementation and say so. "
-            f"The complete notebook, with solutions, is [`../{solution_name}`](../{solution_name}).")
+            f"The complete notebook, with solutions, is `labs/{solution_name}` in a ddplab "
+            "checkout (one folder up from this one there); in a class, your instructor has it.")
 
 
 def tags(cell) -> list:

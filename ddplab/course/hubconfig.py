@@ -2,47 +2,52 @@
 
 Teaches what a one-server JupyterHub for ddplab needs and why:
 
-- an authenticator: DummyAuthenticator (any name, shared password or none:
-  tests and one-day workshops on a closed network), PAM (the server's real
-  accounts) or the first-use authenticator (learners pick their password at
-  first login; the instructor allows the names);
-- a spawner: SimpleLocalProcessSpawner (every server runs as the hub's own
-  user, in a folder per learner; no isolation, no memory limit) or
-  systemdspawner (a transient systemd unit per learner, with ``mem_limit``
-  and ``cpu_limit`` enforced by cgroups and the seat's CPUs as ``AllowedCPUs``);
-- the proxy: configurable-http-proxy, the npm package, by absolute path;
-- seats (:mod:`ddplab.course.seats`): GPUs and CPUs per learner, taken when a
-  server starts and given back when it stops;
-- jupyterhub-idle-culler as a hub service, so an idle learner's server, its
-  kernels and their ranks are stopped and the seat freed;
-- the learners' nbgrader settings (``JUPYTER_CONFIG_PATH``): the course, the
-  exchange folder, and the student id from ``JUPYTERHUB_USER`` (nbgrader takes
-  the OS user name otherwise, which is the same for every learner under one uid).
+- who may log in: the roster and the instructor, nobody else (``allowed_users``, never
+  ``allow_all``). By default each is a Unix account (:mod:`ddplab.course.accounts`) and
+  JupyterHub's ``PAMAuthenticator`` checks the account's password; an empty password is
+  refused, and the hub refuses to start while an allowed account has none. In the unsafe
+  one-account mode (``--trusted-class``) JupyterHub's ``SharedPasswordAuthenticator`` takes
+  a class password and an instructor password from the environment, and the hub refuses to
+  start without them;
+- a spawner: ``LocalProcessSpawner`` (each server runs as the learner's own account, in its
+  0700 home), ``SimpleLocalProcessSpawner`` in the one-account mode (every server runs as the
+  hub's user: no isolation at all), or systemdspawner (a transient systemd unit per learner,
+  with ``mem_limit`` and ``cpu_limit`` enforced by cgroups and the seat's CPUs as
+  ``AllowedCPUs``);
+- the proxy: configurable-http-proxy, the npm package, by absolute path; on a LAN address
+  with the hub's ``ssl_cert``/``ssl_key``;
+- seats (:mod:`ddplab.course.seats`): GPUs and CPUs per learner, taken when a server starts
+  and given back when it stops;
+- jupyterhub-idle-culler as a hub service, so an idle learner's server, its kernels and their
+  ranks are stopped and the seat freed;
+- everything the hub starts (proxy, culler, servers) dies with the hub, even a SIGKILLed one
+  (:mod:`ddplab.course.proxy_guard`): a server's SIGTERM stops its kernels, a kernel's end
+  stops its ranks;
+- the two views: learners' servers read ``learner-config/`` (nbgrader's exchange, the student
+  id, Formgrader and Create Assignment switched off); the instructor's opens on the class
+  folder and reads the course's own nbgrader config (Formgrader works only on a course
+  inside the server's root).
 
-Leaves out: TLS (put a reverse proxy with a certificate in front, or set
-``ssl_cert``/``ssl_key``), Kubernetes (zero-to-jupyterhub), LTI.
-References: JupyterHub's configuration reference; jupyterhub-idle-culler's
-README; systemdspawner's README; nbgrader's "Exchange" docs.
+Leaves out: Kubernetes (zero-to-jupyterhub), LTI, OAuth log-in.
+References: JupyterHub's configuration reference (Authenticator, Spawner, ssl_cert);
+jupyterhub-idle-culler's README; systemdspawner's README; nbgrader's "Exchange" docs.
 """
 from __future__ import annotations
 
 import sys
 
-AUTHENTICATORS = {
-    "dummy": "dummy",
-    "pam": "jupyterhub.auth.PAMAuthenticator",
-    "firstuse": "firstuseauthenticator.FirstUseAuthenticator",
-}
 SPAWNERS = ("local", "systemd")
+PASSWORD_VARS = ("DDPLAB_HUB_PASSWORD", "DDPLAB_HUB_ADMIN_PASSWORD")  # the one-account mode's
 
 
-def render(*, folder: str, users: list[str], admin: str, gpus_per_learner: int, threads: int,
-           mem_gib: float | None, spawner: str, auth: str, ip: str, port: int, proxy_cmd: str,
-           idle_timeout: int, python: str = sys.executable) -> str:
+def render(*, folder: str, learners: list[str], admin: str, gpus_per_learner: int, threads: int,
+           mem_gib: float | None, spawner: str, trusted: bool, ip: str, port: int, proxy_cmd: str,
+           idle_timeout: int, ssl_cert: str | None = None, ssl_key: str | None = None,
+           python: str = sys.executable) -> str:
     if spawner not in SPAWNERS:
         raise ValueError(f"spawner must be one of {SPAWNERS}, got {spawner!r}")
-    if auth not in AUTHENTICATORS:
-        raise ValueError(f"auth must be one of {sorted(AUTHENTICATORS)}, got {auth!r}")
+    if bool(ssl_cert) != bool(ssl_key):
+        raise ValueError("TLS needs both a certificate and its key")
     mem = f"{mem_gib}G" if mem_gib else None
     lines = [
         '"""JupyterHub for a ddplab class; written by `python -m ddplab classroom` (edit freely)."""',
@@ -53,36 +58,74 @@ def render(*, folder: str, users: list[str], admin: str, gpus_per_learner: int, 
         "",
         f"HERE = pathlib.Path({folder!r})",
         f"PYTHON = {python!r}  # the environment with ddplab, jupyterlab and nbgrader",
+        f"LEARNERS = {sorted(learners)!r}",
+        f"INSTRUCTOR = {admin!r}",
         f"seats = Seats(gpus_per_learner={gpus_per_learner}, threads={threads})",
         "",
         "c = get_config()  # noqa: F821 (JupyterHub defines it)",
         f"c.JupyterHub.ip = {ip!r}",
         f"c.JupyterHub.port = {port}",
+    ]
+    if ssl_cert:
+        lines += [f"c.JupyterHub.ssl_cert = {ssl_cert!r}  # browsers reach the class over https",
+                  f"c.JupyterHub.ssl_key = {ssl_key!r}"]
+    lines += [
         "c.JupyterHub.hub_ip = '127.0.0.1'  # the hub's API: loopback only",
         "c.JupyterHub.hub_port = c.JupyterHub.port + 2  # not 8081: two classes on one server",
         "c.ConfigurableHTTPProxy.api_url = 'http://127.0.0.1:%d' % (c.JupyterHub.port + 1)",
-        "# The proxy dies with the hub, even a SIGKILLed one (ddplab/course/proxy_guard.py).",
-        f"c.ConfigurableHTTPProxy.command = [PYTHON, '-m', 'ddplab.course.proxy_guard', {proxy_cmd!r}]",
-        "c.JupyterHub.db_url = 'sqlite:///' + str(HERE / 'jupyterhub.sqlite')",
-        "c.JupyterHub.cookie_secret_file = str(HERE / 'jupyterhub_cookie_secret')",
-        "c.JupyterHub.pid_file = str(HERE / 'jupyterhub.pid')",
+        "# Whatever the hub starts dies with it, even a SIGKILLed hub (ddplab/course/proxy_guard.py).",
+        "GUARD = [PYTHON, '-m', 'ddplab.course.proxy_guard']",
+        f"c.ConfigurableHTTPProxy.command = GUARD + [{proxy_cmd!r}]",
+        "# The hub's own state (sessions, tokens) in a folder only the hub's user reads.",
+        "(HERE / 'hub').mkdir(mode=0o700, exist_ok=True)",
+        "c.JupyterHub.db_url = 'sqlite:///' + str(HERE / 'hub' / 'jupyterhub.sqlite')",
+        "c.JupyterHub.cookie_secret_file = str(HERE / 'hub' / 'jupyterhub_cookie_secret')",
+        "c.JupyterHub.pid_file = str(HERE / 'hub' / 'jupyterhub.pid')",
         "c.JupyterHub.cleanup_servers = True  # the hub's stop stops every learner's server",
+        "c.JupyterHub.shutdown_on_logout = True  # logging out stops that learner's server",
         "",
-        f"c.Authenticator.allowed_users = set({sorted(users)!r})",
-        f"c.Authenticator.admin_users = {{{admin!r}}}",
+        "# Only the roster and the instructor log in: no allow_all (it would override the list).",
+        "c.Authenticator.allowed_users = set(LEARNERS) | {INSTRUCTOR}",
+        "c.Authenticator.admin_users = {INSTRUCTOR}",
     ]
-    if auth == "dummy":
-        lines += ["c.JupyterHub.authenticator_class = 'dummy'",
-                  "# Any name may log in (without allow_all, JupyterHub 5+ lets no one in):",
-                  "# only on loopback or a closed network, and with a shared password there.",
-                  "c.DummyAuthenticator.allow_all = True",
-                  "c.DummyAuthenticator.password = os.environ.get('DDPLAB_HUB_PASSWORD', '')"]
+    if trusted:
+        lines += [
+            "# UNSAFE one-account mode (--trusted-class): every server runs as the hub's user, so",
+            "# every learner can read the solutions, the gradebook and each other's work.",
+            "# One class password for the learners, one for the instructor, from the environment.",
+            f"missing = [v for v in {PASSWORD_VARS!r} if len(os.environ.get(v, '')) < 8]",
+            "if missing:",
+            "    raise SystemExit(f'set {\" and \".join(missing)} (8 characters or more) before starting '",
+            "                     'the hub: this class has no other passwords')",
+            "c.JupyterHub.authenticator_class = 'shared-password'",
+            f"c.SharedPasswordAuthenticator.user_password = os.environ[{PASSWORD_VARS[0]!r}]",
+            f"c.SharedPasswordAuthenticator.admin_password = os.environ[{PASSWORD_VARS[1]!r}]",
+        ]
     else:
-        lines.append(f"c.JupyterHub.authenticator_class = {AUTHENTICATORS[auth]!r}")
+        lines += [
+            "# Each learner is a Unix account with its own password (ddplab/course/accounts.py);",
+            "# PAM checks it against /etc/shadow, where only its hash is kept.",
+            "from ddplab.course.accounts import check_logins",
+            "from jupyterhub.auth import PAMAuthenticator",
+            "",
+            "check_logins(LEARNERS + [INSTRUCTOR])  # refuses to start if one has no password",
+            "",
+            "",
+            "class ClassAuthenticator(PAMAuthenticator):",
+            "    # PAM's `nullok` would let an account without a password in with an empty one.",
+            "    async def authenticate(self, handler, data):",
+            "        if not data.get('password'):",
+            "            return None",
+            "        return await super().authenticate(handler, data)",
+            "",
+            "",
+            "c.JupyterHub.authenticator_class = ClassAuthenticator",
+            "c.PAMAuthenticator.open_sessions = False  # no login session (utmp, loginuid) per server",
+        ]
     lines += [
         "",
-        "# Every learner's server: JupyterLab from this environment, by absolute path.",
-        "c.Spawner.cmd = [PYTHON, '-m', 'jupyterhub.singleuser']",
+        "# Every server: JupyterLab from this environment, by absolute path, dying with the hub.",
+        "c.Spawner.cmd = GUARD + [PYTHON, '-m', 'jupyterhub.singleuser']",
         "c.Spawner.default_url = '/lab'",
         "# A busy server (20 learners logging in at 9:00) imports jupyter_server slowly: the",
         "# defaults (30 s to answer, 60 s to start) give up on servers that would have come up.",
@@ -90,22 +133,26 @@ def render(*, folder: str, users: list[str], admin: str, gpus_per_learner: int, 
         "c.Spawner.start_timeout = 180",
         "c.Spawner.notebook_dir = '~'",
         "c.Spawner.environment = {",
-        "    'JUPYTER_CONFIG_PATH': str(HERE / 'learner-config'),  # nbgrader: course, exchange, student id",
         "    'JUPYTERHUB_ACTIVITY_INTERVAL': os.environ.get('DDPLAB_HUB_ACTIVITY_INTERVAL', '60'),",
-        "    'PATH': os.environ.get('PATH', ''),",
+        "    # the environment's bin first (nbgrader, alembic), never the hub's own PATH additions",
+        "    'PATH': os.path.dirname(PYTHON) + ':/usr/local/bin:/usr/bin:/bin',",
         "}",
         f"c.Spawner.mem_limit = {mem!r}  # enforced by systemdspawner only",
         f"c.Spawner.cpu_limit = {float(threads)!r}  # enforced by systemdspawner only",
         "",
     ]
     if spawner == "local":
+        base = "SimpleLocalProcessSpawner" if trusted else "LocalProcessSpawner"
         lines += [
-            "from jupyterhub.spawner import SimpleLocalProcessSpawner",
+            f"from jupyterhub.spawner import {base}",
             "",
             "",
-            "class SeatedSpawner(SimpleLocalProcessSpawner):",
-            "    # Every server runs as the hub's user; the seat's CPUs become its affinity mask.",
-            "    # mem_limit is NOT enforced by a local-process spawner.",
+            f"class SeatedSpawner({base}):",
+            ("    # Every server runs as the hub's user; the seat's CPUs become its affinity mask."
+             if trusted else
+             "    # Each server runs as the learner's account (setuid, then chdir to its 0700 home);"),
+            ("    # mem_limit is NOT enforced by a local-process spawner." if trusted else
+             "    # the seat's CPUs become its affinity mask. mem_limit is NOT enforced here."),
             "    def make_preexec_fn(self, name):",
             "        inner, cpus = super().make_preexec_fn(name), seats.take(self.user.name).cpus",
             "",
@@ -116,10 +163,13 @@ def render(*, folder: str, users: list[str], admin: str, gpus_per_learner: int, 
             "",
             "",
             "c.JupyterHub.spawner_class = SeatedSpawner",
-            "if os.geteuid() == 0:  # a container or CI job run as root: jupyter_server refuses root",
-            "    c.Spawner.args = ['--ServerApp.allow_root=True']  # unless told (every learner is root!)",
-            "c.SimpleLocalProcessSpawner.home_dir_template = str(HERE / 'homes' / '{username}')",
         ]
+        if trusted:
+            lines += [
+                "if os.geteuid() == 0:  # jupyter_server refuses root unless told (every learner is root!)",
+                "    c.Spawner.args = ['--ServerApp.allow_root=True']",
+                "c.SimpleLocalProcessSpawner.home_dir_template = str(HERE / 'homes' / '{username}')",
+            ]
     else:
         lines += [
             "c.JupyterHub.spawner_class = 'systemdspawner.SystemdSpawner'",
@@ -131,11 +181,17 @@ def render(*, folder: str, users: list[str], admin: str, gpus_per_learner: int, 
         "",
         "def take_seat(spawner):",
         "    seat = seats.take(spawner.user.name)",
-        "    spawner.environment = {**spawner.environment, **seat.environment()}",
+        "    # the instructor's server reads the course's nbgrader config (Formgrader on the course);",
+        "    # the learners' read learner-config/ (exchange, student id, no Formgrader)",
+        "    config = HERE / ('course' if spawner.user.name == INSTRUCTOR else 'learner-config')",
+        "    spawner.environment = {**spawner.environment, **seat.environment(),",
+        "                           'JUPYTER_CONFIG_PATH': str(config)}",
     ]
     if spawner == "systemd":
         lines.append("    spawner.unit_extra_properties = {'AllowedCPUs': ','.join(map(str, seat.cpus))}")
     lines += [
+        "    if spawner.user.name == INSTRUCTOR:  # Formgrader wants the course inside the server's root",
+        "        spawner.notebook_dir = str(HERE)",
         "    spawner.log.info('ddplab seat for %s: GPUs [%s], CPUs %s %s', seat.user,",
         "                     ','.join(seat.gpus), seat.cpus, seat.note)",
         "",
@@ -147,7 +203,7 @@ def render(*, folder: str, users: list[str], admin: str, gpus_per_learner: int, 
         "c.JupyterHub.load_roles = [{'name': 'idle-culler', 'services': ['idle-culler'],",
         "                            'scopes': ['list:users', 'read:users:activity', 'read:servers',",
         "                                       'delete:servers']}]",
-        "c.JupyterHub.services = [{'name': 'idle-culler', 'command': [",
+        "c.JupyterHub.services = [{'name': 'idle-culler', 'command': GUARD + [",
         f"    PYTHON, '-m', 'jupyterhub_idle_culler', '--timeout={idle_timeout}',",
         "    '--url=http://127.0.0.1:%d/hub/api' % c.JupyterHub.hub_port,  # its default is 8081",
         f"    '--cull-every={max(5, min(60, idle_timeout // 3))}']}}]",

@@ -1,4 +1,4 @@
-"""The hub's proxy, tied to the hub's life: ``python -m ddplab.course.proxy_guard PROXY ARGS...``.
+"""Whatever the hub starts, tied to the hub's life: ``python -m ddplab.course.proxy_guard COMMAND ARGS...``.
 
 Teaches: JupyterHub starts configurable-http-proxy as a child in a session of its own, so that
 the proxy keeps routing while the hub restarts. A hub stopped cleanly stops its proxy; a hub
@@ -6,7 +6,11 @@ that is SIGKILLed (out of memory, ``kill -9``, a crashed container init) cannot,
 lives on, holding the class's port, so the next hub cannot start. This guard asks the kernel to
 send the proxy SIGTERM when the process that started it dies (``prctl(PR_SET_PDEATHSIG)``,
 which survives the exec below), then becomes the proxy. The classroom's hub config puts it in
-front of the proxy command.
+front of the proxy command, and in front of the idle culler's and every learner's server's
+command too: a SIGKILLed hub would leave those running as well. For a learner's server the
+spawner switches to the learner's account before this runs, which matters: a change of user
+clears the setting, so it must be made after the switch (credentials(7)). A server's SIGTERM
+shuts its kernels down, and ddplab's ranks die with their kernel.
 
 Leaves out: systems without prctl (macOS): there the guard only execs the proxy, and a killed
 hub's proxy must be stopped by hand (its pid is in the hub's log).
