@@ -214,8 +214,10 @@ def test_two_learners_servers_are_slurm_jobs_culled_and_cancelled():
             hub.wait(timeout=90)
         wait(lambda: not squeue(slurm), 60, lambda: f"jobs left after the hub's stop: {squeue(slurm)}\n" + hub_log())
         culled = [line for line in (folder / "hub.log").read_text().splitlines()
-                  if "slurmer01" in line and ("DELETE" in line or "Stopping" in line)]
-        assert culled, "the hub's log shows no stop of slurmer01's server"
+                  if "DELETE /hub/api/users/slurmer01/server" in line and "idle-culler@" in line]
+        assert culled, "the hub's log shows no idle culler's stop of slurmer01's server"
+        assert not [line for line in (folder / "hub.log").read_text().splitlines()
+                    if "DELETE /hub/api/users/slurmer02/server" in line], "slurmer02 was culled while busy"
         timings["hub stopped, squeue empty"] = time.monotonic() - start
         print("slurm hub test:", ", ".join(f"{k} {v:.0f} s" for k, v in timings.items()))
     finally:
