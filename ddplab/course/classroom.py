@@ -17,6 +17,8 @@ The folder it writes (modes as set here; "instructor" is the ``--instructor`` ac
     exchange/                  nbgrader's exchange (1777 with the sticky bit, as nbgrader asks)
     homes/<learner>/           each learner's home (0700, the learner's own)
     accounts.txt               the accounts this command created (for --delete-accounts)
+    sudoers                    (--spawner slurm) the hub's sudo rule: sbatch, squeue, scancel as
+                               the learners only (ddplab/course/slurmhub.py)
     README.md                  the instructor's steps
 
 Each learner's password (and the instructor's, for an account it creates) is generated,
