@@ -9,7 +9,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.ddplab-installed
 
 .PHONY: lab test test-fast test-unit test-labs test-browser check test-unit-more test-labs-more test-labs-ws1 \
-	test-hub test-gpu gpu-check test-graders handouts exercises bench clean test-slurm
+	test-hub test-gpu gpu-check test-graders handouts exercises bench clean test-slurm test-slurm-hub
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -76,7 +76,7 @@ test-browser: $(STAMP)
 # make check: make test, then CHECK_MORE in this order. Whatever is too long for make test
 # goes into CHECK_MORE (add a target's name to the list: the full
 # grader mutation catalogue, ...); make check stays <= 45 min on a 2-core machine.
-CHECK_MORE = test-unit-more test-labs-more test-labs-ws1 test-graders test-hub handouts test-slurm
+CHECK_MORE = test-unit-more test-labs-more test-labs-ws1 test-graders test-hub handouts test-slurm test-slurm-hub
 check: $(STAMP)
 	$(MAKE) test
 	$(MAKE) $(CHECK_MORE)
@@ -115,6 +115,17 @@ test-hub: $(STAMP)
 # print the notebook's numbers; ddplab.record in the job writes its timeline (docs/hpc.md).
 test-slurm: $(STAMP)
 	DDPLAB_SLURM_TEST=1 $(call pytest_or_say_empty,-q tests/test_slurm.py)
+
+# `classroom --spawner slurm` on that real Slurm: two learners in Chromium, each server a Slurm job
+# submitted as the learner's own account (sudo), ended by the idle culler and by the hub's stop.
+# The learners' jobs run the environment, so it is .venv-hub, from the system's Python (/root is 0700).
+SLURM_HUB_VENV ?= .venv-hub
+test-slurm-hub: $(STAMP)
+	test -x $(SLURM_HUB_VENV)/bin/python || /usr/bin/python3 -m venv $(SLURM_HUB_VENV)
+	$(SLURM_HUB_VENV)/bin/python -m pip install --quiet -c constraints.txt -e '.[lab,test,browser,classroom,slurm]'
+	npm ci --prefix proxy --no-audit --no-fund
+	DDPLAB_SLURM_TEST=1 $(SLURM_HUB_VENV)/bin/python -m pytest -q -p no:cacheprovider --durations=5 \
+	  tests/test_classroom_slurm.py
 
 # Every exercise's grader against its mutation catalogue (correct and wrong solutions) on live ranks.
 test-graders: $(STAMP)

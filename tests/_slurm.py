@@ -89,8 +89,8 @@ ReturnToService=2
 SlurmdTimeout=30
 InactiveLimit=0
 KillWait=5
-NodeName=n1 NodeHostname=localhost NodeAddr=127.0.0.1 Port={n1_port} CPUs=2 State=UNKNOWN
-NodeName=n2 NodeHostname=localhost NodeAddr=127.0.0.1 Port={n2_port} CPUs=2 State=UNKNOWN
+NodeName=n1 NodeHostname=localhost NodeAddr=127.0.0.1 Port={n1_port} CPUs=2 RealMemory=2048 State=UNKNOWN
+NodeName=n2 NodeHostname=localhost NodeAddr=127.0.0.1 Port={n2_port} CPUs=2 RealMemory=2048 State=UNKNOWN
 PartitionName=debug Nodes=n1,n2 Default=YES MaxTime=INFINITE State=UP OverSubscribe=YES
 """
 
@@ -100,6 +100,9 @@ class Slurm:
 
     def __init__(self):
         self.root = Path(tempfile.mkdtemp(prefix="ddplab-slurm-"))
+        # other accounts (a class's learners submitting jobs) read slurm.conf and reach munge's
+        # socket; the munge key stays 0600
+        self.root.chmod(0o755)
         self.conf = self.root / "slurm.conf"
         self.procs: dict[str, subprocess.Popen] = {}
         self.env = dict(os.environ, SLURM_CONF=str(self.conf))

@@ -17,6 +17,8 @@ The folder it writes (modes as set here; "instructor" is the ``--instructor`` ac
     exchange/                  nbgrader's exchange (1777 with the sticky bit, as nbgrader asks)
     homes/<learner>/           each learner's home (0700, the learner's own)
     accounts.txt               the accounts this command created (for --delete-accounts)
+    sudoers                    (--spawner slurm) the hub's sudo rule: sbatch, squeue, scancel as
+                               the learners only (ddplab/course/slurmhub.py)
     README.md                  the instructor's steps
 
 Each learner's password (and the instructor's, for an account it creates) is generated,
@@ -80,6 +82,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "checkout, after `npm ci --prefix proxy`, else on PATH)")
     p.add_argument("--idle-timeout", type=int, default=1800,
                    help="seconds before an idle learner's server is stopped [1800]")
+    p.add_argument("--exchange", default=None,
+                   help="nbgrader's exchange folder (default FOLDER/exchange); with --spawner slurm it "
+                        "must be on storage every node mounts at the same path, as FOLDER must")
+    slurm = p.add_argument_group("--spawner slurm (docs/hpc.md, 'A class on Slurm')")
+    slurm.add_argument("--time-limit", default="02:00:00",
+                       help="each learner's server job's time limit (sbatch --time) [02:00:00]")
+    slurm.add_argument("--partition", default="", help="the partition the server jobs run in")
+    slurm.add_argument("--hub-ip", default="127.0.0.1",
+                       help="the hub API's address on the login node, reachable from the compute "
+                            "nodes [127.0.0.1: only when the nodes are this machine]")
+    slurm.add_argument("--hub-user", default="root",
+                       help="the account the hub runs as: the sudo rule lets it run sbatch, squeue and "
+                            "scancel as the learners, nothing else [root]")
 
 
 def learners(args) -> list[str]:
@@ -154,7 +169,10 @@ def _fill(folder: pathlib.Path, names: list[str], proxy: str, per: int, args) ->
     if not args.trusted_class and accounts.reachable(folder):
         raise ValueError(f"learners cannot enter {folder} ({accounts.reachable(folder)} is closed to "
                          "other users): choose a folder such as /srv/ddplab-class")
-    course, exchange = folder / "course", folder / "exchange"
+    course = folder / "course"
+    exchange = pathlib.Path(args.exchange).resolve() if args.exchange else folder / "exchange"
+    if args.spawner == "slurm":
+        check_slurm(args)
     for sol in graded_labs():
         (course / "source" / sol.stem).mkdir(parents=True)
         shutil.copyfile(sol, course / "source" / sol.stem / sol.name)
@@ -172,7 +190,16 @@ def _fill(folder: pathlib.Path, names: list[str], proxy: str, per: int, args) ->
         threads=args.threads, mem_gib=args.mem_gib, spawner=args.spawner, trusted=args.trusted_class,
         ip=args.ip, port=args.port, proxy_cmd=proxy, idle_timeout=args.idle_timeout,
         ssl_cert=args.ssl_cert and str(pathlib.Path(args.ssl_cert).resolve()),
-        ssl_key=args.ssl_key and str(pathlib.Path(args.ssl_key).resolve())))
+        ssl_key=args.ssl_key and str(pathlib.Path(args.ssl_key).resolve()), hub_ip=args.hub_ip,
+        time_limit=args.time_limit, partition=args.partition, hub_user=args.hub_user))
+    if args.spawner == "slurm":
+        from ddplab.course import slurmhub
+
+        rule = slurmhub.sudoers(args.hub_user, names)
+        (folder / "sudoers").write_text(rule)
+        if args.hub_user != "root":  # root may already run anything as anyone
+            installed = slurmhub.install_sudoers(rule, slurmhub.sudoers_name(folder))
+            (folder / "sudoers-installed.txt").write_text(f"{installed}\n")
     from ddplab.course.classroom_readme import readme
 
     (folder / "README.md").write_text(readme(folder, names, per, args))
@@ -181,6 +208,27 @@ def _fill(folder: pathlib.Path, names: list[str], proxy: str, per: int, args) ->
             (folder / "homes" / n).mkdir(exist_ok=True)
         return folder, {var: accounts.new_password() for var in hubconfig.PASSWORD_VARS}
     return folder, safety.make_accounts(folder, names, args.instructor)
+
+
+def check_slurm(args) -> None:
+    """A Slurm class needs real accounts, the client programs, and an environment they can run."""
+    if args.trusted_class:
+        raise ValueError("--spawner slurm runs each server as its learner's account: it cannot be "
+                         "combined with --trusted-class")
+    import importlib.util
+
+    if importlib.util.find_spec("batchspawner") is None:
+        raise ValueError("batchspawner is not installed: pip install -c constraints.txt -e '.[classroom,slurm]'")
+    missing = [p for p in ("sbatch", "squeue", "scancel", "scontrol") if not shutil.which(p)]
+    if missing:
+        raise ValueError(f"{', '.join(missing)} not found: the hub's machine needs Slurm's client "
+                         "programs (Debian: apt-get install slurm-client)")
+    for path in (pathlib.Path(sys.prefix), pathlib.Path(sys.executable).resolve()):
+        closed = accounts.reachable(path)
+        if closed:
+            raise ValueError(f"the learners' jobs run {sys.executable}, and their accounts cannot "
+                             f"enter {closed}: build the environment outside it (for example "
+                             "`/usr/bin/python3 -m venv /opt/ddplab-venv`), on storage the nodes share")
 
 
 def course_config(course: pathlib.Path, exchange: pathlib.Path) -> str:
@@ -241,6 +289,10 @@ def learner_config(exchange: pathlib.Path) -> str:
 def run(args, parser) -> int:
     if args.delete_accounts:
         gone = safety.delete_accounts(pathlib.Path(args.folder))
+        record = pathlib.Path(args.folder) / "sudoers-installed.txt"
+        if record.exists():  # the Slurm class's sudo rule goes with its accounts
+            pathlib.Path(record.read_text().strip()).unlink(missing_ok=True)
+            record.unlink()
         print(f"deleted {len(gone)} account(s) and their homes: {' '.join(gone) or '(none recorded)'}")
         return 0
     try:

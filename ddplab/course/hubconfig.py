@@ -36,14 +36,15 @@ from __future__ import annotations
 
 import sys
 
-SPAWNERS = ("local", "systemd")
+SPAWNERS = ("local", "systemd", "slurm")
 PASSWORD_VARS = ("DDPLAB_HUB_PASSWORD", "DDPLAB_HUB_ADMIN_PASSWORD")  # the one-account mode's
 
 
 def render(*, folder: str, learners: list[str], admin: str, gpus_per_learner: int, threads: int,
            mem_gib: float | None, spawner: str, trusted: bool, ip: str, port: int, proxy_cmd: str,
            idle_timeout: int, ssl_cert: str | None = None, ssl_key: str | None = None,
-           python: str = sys.executable) -> str:
+           python: str = sys.executable, hub_ip: str = "127.0.0.1", time_limit: str = "02:00:00",
+           partition: str = "", hub_user: str = "root") -> str:
     if spawner not in SPAWNERS:
         raise ValueError(f"spawner must be one of {SPAWNERS}, got {spawner!r}")
     if bool(ssl_cert) != bool(ssl_key):
@@ -70,7 +71,8 @@ def render(*, folder: str, learners: list[str], admin: str, gpus_per_learner: in
         lines += [f"c.JupyterHub.ssl_cert = {ssl_cert!r}  # browsers reach the class over https",
                   f"c.JupyterHub.ssl_key = {ssl_key!r}"]
     lines += [
-        "c.JupyterHub.hub_ip = '127.0.0.1'  # the hub's API: loopback only",
+        (f"c.JupyterHub.hub_ip = {hub_ip!r}  # the hub's API: where the nodes' servers reach it"
+         if spawner == "slurm" else "c.JupyterHub.hub_ip = '127.0.0.1'  # the hub's API: loopback only"),
         "c.JupyterHub.hub_port = c.JupyterHub.port + 2  # not 8081: two classes on one server",
         "c.ConfigurableHTTPProxy.api_url = 'http://127.0.0.1:%d' % (c.JupyterHub.port + 1)",
         "# Whatever the hub starts dies with it, even a SIGKILLed hub (ddplab/course/proxy_guard.py).",
@@ -170,6 +172,8 @@ def render(*, folder: str, learners: list[str], admin: str, gpus_per_learner: in
                 "    c.Spawner.args = ['--ServerApp.allow_root=True']",
                 "c.SimpleLocalProcessSpawner.home_dir_template = str(HERE / 'homes' / '{username}')",
             ]
+    elif spawner == "slurm":
+        lines += slurm_lines(gpus_per_learner, threads, mem_gib, time_limit, partition, hub_user)
     else:
         lines += [
             "c.JupyterHub.spawner_class = 'systemdspawner.SystemdSpawner'",
@@ -180,11 +184,13 @@ def render(*, folder: str, learners: list[str], admin: str, gpus_per_learner: in
         "",
         "",
         "def take_seat(spawner):",
-        "    seat = seats.take(spawner.user.name)",
+        ("    seat = seats.take(spawner.user.name)" if spawner != "slurm" else
+         "    # on Slurm the job's --gres, --cpus-per-task and --mem are the seat (Slurm enforces them)"),
         "    # the instructor's server reads the course's nbgrader config (Formgrader on the course);",
         "    # the learners' read learner-config/ (exchange, student id, no Formgrader)",
         "    config = HERE / ('course' if spawner.user.name == INSTRUCTOR else 'learner-config')",
-        "    spawner.environment = {**spawner.environment, **seat.environment(),",
+        ("    spawner.environment = {**spawner.environment, **seat.environment()," if spawner != "slurm"
+         else "    spawner.environment = {**spawner.environment,"),
         "                           'JUPYTER_CONFIG_PATH': str(config)}",
     ]
     if spawner == "systemd":
@@ -192,12 +198,18 @@ def render(*, folder: str, learners: list[str], admin: str, gpus_per_learner: in
     lines += [
         "    if spawner.user.name == INSTRUCTOR:  # Formgrader wants the course inside the server's root",
         "        spawner.notebook_dir = str(HERE)",
-        "    spawner.log.info('ddplab seat for %s: GPUs [%s], CPUs %s %s', seat.user,",
-        "                     ','.join(seat.gpus), seat.cpus, seat.note)",
+    ]
+    if spawner != "slurm":
+        lines += [
+            "    spawner.log.info('ddplab seat for %s: GPUs [%s], CPUs %s %s', seat.user,",
+            "                     ','.join(seat.gpus), seat.cpus, seat.note)",
+        ]
+    lines += [
         "",
         "",
         "c.Spawner.pre_spawn_hook = take_seat",
-        "c.Spawner.post_stop_hook = lambda spawner: seats.release(spawner.user.name)",
+        ("c.Spawner.post_stop_hook = lambda spawner: seats.release(spawner.user.name)" if spawner != "slurm"
+         else "# each job's end frees its resources in Slurm: no seats to give back"),
         "",
         "# Idle servers are stopped (their kernels, ranks and seat with them).",
         "c.JupyterHub.load_roles = [{'name': 'idle-culler', 'services': ['idle-culler'],",
@@ -210,3 +222,32 @@ def render(*, folder: str, learners: list[str], admin: str, gpus_per_learner: in
         "",
     ]
     return "\n".join(lines)
+
+
+def slurm_lines(gpus: int, threads: int, mem_gib: float | None, time_limit: str, partition: str,
+                hub_user: str) -> list[str]:
+    """Each learner's server as a Slurm job (ddplab/course/slurmhub.py says why each line)."""
+    from ddplab.course.slurmhub import NODE_ADDR, gres
+
+    mem = f"{int(mem_gib * 1024)}M" if mem_gib else ""
+    return [
+        "# Each server is a Slurm job submitted as its learner: `sudo -E -u NAME sbatch`; the hub's",
+        f"# user ({hub_user}) may run only sbatch, squeue and scancel as a learner (the sudoers file).",
+        "c.JupyterHub.spawner_class = 'ddplab.course.slurmhub.ClassSlurmSpawner'",
+        "BIN = os.path.dirname(PYTHON)  # the learners' accounts must be able to run this environment",
+        "c.Spawner.cmd = [os.path.join(BIN, 'jupyterhub-singleuser')]",
+        "c.SlurmSpawner.batchspawner_singleuser_cmd = os.path.join(BIN, 'batchspawner-singleuser')",
+        f"c.SlurmSpawner.req_gres = {gres(gpus)!r}  # the learner's GPUs",
+        f"c.SlurmSpawner.req_nprocs = {str(threads)!r}  # CPUs (--cpus-per-task)",
+        f"c.SlurmSpawner.req_memory = {mem!r}",
+        f"c.SlurmSpawner.req_runtime = {time_limit!r}  # a job outlives a killed hub only this long",
+        f"c.SlurmSpawner.req_partition = {partition!r}",
+        "# The server listens on its node's address as Slurm knows it (never 0.0.0.0); the hub",
+        "# connects there (ClassSlurmSpawner.state_gethost).",
+        f"c.SlurmSpawner.req_prologue = {NODE_ADDR!r}",
+        "c.Spawner.args = ['--ServerApp.ip=$DDPLAB_NODE_ADDR']",
+        "# sbatch, the job and its srun find a non-default Slurm configuration through SLURM_CONF.",
+        "c.Spawner.env_keep = ['PATH', 'PYTHONPATH', 'CONDA_ROOT', 'CONDA_DEFAULT_ENV', 'VIRTUAL_ENV', 'LANG',",
+        "                      'LC_ALL', 'JUPYTERHUB_SINGLEUSER_APP', 'SLURM_CONF']  # JupyterHub's, + SLURM_CONF",
+        "c.Spawner.start_timeout = 300  # a job may wait in the queue",
+    ]
