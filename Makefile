@@ -119,9 +119,9 @@ test-slurm: $(STAMP)
 # `classroom --spawner slurm` on that real Slurm: two learners in Chromium, each server a Slurm job
 # submitted as the learner's own account (sudo), ended by the idle culler and by the hub's stop.
 # The learners' jobs run the environment, so it is .venv-hub, from the system's Python (/root is 0700).
-SLURM_HUB_VENV ?= .venv-hub
+SLURM_HUB_VENV ?= $(HUB_VENV)
 test-slurm-hub: $(STAMP)
-	test -x $(SLURM_HUB_VENV)/bin/python || /usr/bin/python3 -m venv $(SLURM_HUB_VENV)
+	test -x $(SLURM_HUB_VENV)/bin/python || $(HUB_PYTHON) -m venv $(SLURM_HUB_VENV)
 	$(SLURM_HUB_VENV)/bin/python -m pip install --quiet -c constraints.txt -e '.[lab,test,browser,classroom,slurm]'
 	npm ci --prefix proxy --no-audit --no-fund
 	DDPLAB_SLURM_TEST=1 $(SLURM_HUB_VENV)/bin/python -m pytest -q -p no:cacheprovider --durations=5 \

@@ -33,12 +33,12 @@ import tempfile
 import time
 from pathlib import Path
 
+import _classroom as room
 import nbformat
 import pytest
-
-import _classroom as room
 from _browser import KERNEL_IDLE_JS, LAB_SETTINGS, chromium, free_port, in_ci, require_browser
 from _slurm import Slurm, SlurmUnavailable
+
 from ddplab.course import accounts
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(

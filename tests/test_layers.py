@@ -43,7 +43,7 @@ MODULES = {
     # the front doors: they may use everything below
     8: {"ddplab.notebook": ["", "completion", "ddpcell", "export", "magics", "rankview", "sbatch"],
         "ddplab.course": ["", "accounts", "classroom", "classroom_readme", "exercises", "handouts", "hubconfig",
-                          "proxy_guard", "safety",
+                          "proxy_guard", "safety", "slurmhub",
                           "labsetup", "seats"],
         "ddplab.cli": ["", "compare", "doctor", "view"],
         "ddplab": ["", "__main__", "_moved"]},
