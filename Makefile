@@ -37,8 +37,9 @@ endef
 UNIT = tests --ignore-glob='tests/test_browser*.py'
 # Unit test files make test leaves to make check, to keep make test-unit within 5 minutes:
 # stress tests of the ranks' life cycle (an Interrupt at every point, a killed kernel, a
-# classroom day of jobs, faults, late ranks) and the graders' planted-mistake suites beyond the
-# fast catalogue subset (each mistake waits out a short timeout or a hang). make test still
+# classroom day of jobs, faults, late ranks), the graders' planted-mistake suites beyond the
+# fast catalogue subset (each mistake waits out a short timeout or a hang), the fake-NCCL reruns
+# of existing suites, and the sharding suites (ZeRO-1, FSDP: each starts its own ranks). make test still
 # grades one correct and one wrong solution of every exercise (tests/test_graders_catalogue.py).
 UNIT_MORE = tests/test_cluster_interrupts.py tests/test_cluster_kernel.py tests/test_cluster_soak.py \
 	tests/test_cluster_faults.py tests/test_observed_timeouts.py \
@@ -47,7 +48,9 @@ UNIT_MORE = tests/test_cluster_interrupts.py tests/test_cluster_kernel.py tests/
 	tests/test_sharded_optimizer_more.py tests/test_checks_sharding.py \
 	tests/test_fsdp.py tests/test_fsdp_seen.py \
 	tests/test_recorder_fake_nccl.py tests/test_graders_fake_nccl.py \
-	tests/test_memory_more.py tests/test_fits_more.py
+	tests/test_memory_more.py tests/test_fits_more.py \
+	tests/test_sharded_optimizer.py tests/test_memory.py tests/test_fits.py tests/test_zero_rows.py \
+	tests/test_sharding_one_axis.py
 NBVAL = --nbval-lax --nbval-current-env --nbval-sanitize-with labs/nbval-sanitize.cfg
 LABS = $(sort $(wildcard labs/*.ipynb))
 # The labs make test runs (<= 3 min together); the others run in make check.

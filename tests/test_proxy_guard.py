@@ -59,9 +59,14 @@ def test_without_the_guard_the_proxy_outlives_a_sigkilled_hub():
 def test_the_classroom_hub_config_puts_the_guard_in_front_of_the_proxy(tmp_path):
     import _classroom as room
 
-    folder = room.make_room(tmp_path / "class", "--learners", "2", "--cpu-only", "--proxy", sys.executable)
+    # the one-account mode: this checks the config only (a learners' class needs a folder
+    # every account can enter, which pytest's tmp_path under /tmp/pytest-of-root is not)
+    folder = room.make_room(tmp_path / "class", "--learners", "2", "--cpu-only", "--trusted-class",
+                            "--proxy", sys.executable)
     config = (folder / "jupyterhub_config.py").read_text()
-    assert "'-m', 'ddplab.course.proxy_guard'," in config
+    assert "GUARD = [PYTHON, '-m', 'ddplab.course.proxy_guard']" in config
+    assert "c.ConfigurableHTTPProxy.command = GUARD + [" in config  # the proxy, and the culler too
+    assert "'command': GUARD + [" in config
 
 
 def test_the_guard_says_how_to_use_it():
