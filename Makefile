@@ -39,7 +39,8 @@ UNIT = tests --ignore-glob='tests/test_browser*.py'
 # stress tests of the ranks' life cycle (an Interrupt at every point, a killed kernel, a
 # classroom day of jobs, faults, late ranks), the graders' planted-mistake suites beyond the
 # fast catalogue subset (each mistake waits out a short timeout or a hang), the fake-NCCL reruns
-# of existing suites, and the sharding suites (ZeRO-1, FSDP: each starts its own ranks). make test still
+# of existing suites and the fake-NCCL contract, the gpu-check script's CPU tests, Slurm's variables,
+# and the sharding suites (ZeRO-1, FSDP: each starts its own ranks). make test still
 # grades one correct and one wrong solution of every exercise (tests/test_graders_catalogue.py).
 UNIT_MORE = tests/test_cluster_interrupts.py tests/test_cluster_kernel.py tests/test_cluster_soak.py \
 	tests/test_cluster_faults.py tests/test_observed_timeouts.py \
@@ -50,7 +51,8 @@ UNIT_MORE = tests/test_cluster_interrupts.py tests/test_cluster_kernel.py tests/
 	tests/test_recorder_fake_nccl.py tests/test_graders_fake_nccl.py \
 	tests/test_memory_more.py tests/test_fits_more.py \
 	tests/test_sharded_optimizer.py tests/test_memory.py tests/test_fits.py tests/test_zero_rows.py \
-	tests/test_sharding_one_axis.py
+	tests/test_sharding_one_axis.py tests/test_gpu_check.py tests/test_record_fake_nccl.py \
+	tests/test_nccl_contract.py tests/test_observed_coalesced.py tests/test_launchers.py
 NBVAL = --nbval-lax --nbval-current-env --nbval-sanitize-with labs/nbval-sanitize.cfg
 LABS = $(sort $(wildcard labs/*.ipynb))
 # The labs make test runs (<= 3 min together); the others run in make check.
