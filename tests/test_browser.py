@@ -155,12 +155,11 @@ def test_a_figure_made_on_rank_1_renders_in_jupyterlab_labelled_by_rank(browsing
             shutil.copy(lab.log_path, shots[0].parent / "browser-rank-figure-jupyterlab.log")
 
 
-def test_a_saved_runs_page_in_chromium_shows_only_what_the_runs_have(tmp_path):
+def test_a_saved_runs_page_in_chromium_shows_only_what_the_runs_have(tmp_path, browsing):
     """The page `python -m ddplab view` and `ddplab.record(..., out=)` write, opened as a user
     opens it (a file in Chromium, no kernel): the legends plotly drew have no entry without
     bars ("saved vs manual" for runs without a manual one), the stamp sources are listed,
     and the two runs' panels share one time axis."""
-    from _browser import chromium, require_browser
     from test_widgets import hand_timeline
 
     from ddplab.cli.view import runs_page
@@ -170,7 +169,8 @@ def test_a_saved_runs_page_in_chromium_shows_only_what_the_runs_have(tmp_path):
         it.sources["backward"] = "derived"
     page_path = tmp_path / "both.view.html"
     runs_page(page_path, {"small": small, "big": big})
-    with chromium(require_browser()) as page:
+    # the session's Chromium: a second Playwright in this thread would find the first one's loop
+    with browsing.page() as page:
         page.goto(page_path.as_uri())
         page.wait_for_selector(".js-plotly-plot .legendtext", timeout=60_000)
         legends = page.evaluate("""() => [...document.querySelectorAll('.js-plotly-plot')].map(
