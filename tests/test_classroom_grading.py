@@ -66,7 +66,7 @@ SLIPS = {
     "08-traffic-data-vs-model-parallel": [
         ("    h.requires_grad_()\n", "", pipeline.NO_REQUIRES_GRAD)],
     "09-inside-torch-reducer": [
-        ("for i in reversed(range(len(params))):", "for i in range(len(params)):", reducer_map.DECLARATION_ORDER)],
+        ("    for i in ready_order:", "    for i in range(len(params)):", reducer_map.DECLARATION_ORDER)],
     "10-your-model": [
         ('b["comm_end"] > backward_end', 'b["comm_end"] >= backward_end', yourmodel.AT_THE_END)],
     "11-sharded-optimizer": [
