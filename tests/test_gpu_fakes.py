@@ -263,10 +263,11 @@ def test_on_a_gpu_the_simulated_link_makes_the_stream_wait_for_the_real_transfer
             self.waited_on = threading.current_thread().name
             return True
 
-    slow = LinkModel(bandwidth_gbps=0.01, latency_us=0.0)  # 1 MB takes ~0.8 s; 1 kB ~0.8 ms
+    # 1 MB takes ~0.8 s; 100 kB ~80 ms (1 kB's 0.8 ms was over before the assert on a busy machine)
+    slow = LinkModel(bandwidth_gbps=0.01, latency_us=0.0)
     with SimulatedLink(slow, world_size=2) as link:
         work = Queued()
-        linked = link.wrap(work, 1000, device=torch.device("meta"))  # a device tensor's work
+        linked = link.wrap(work, 100_000, device=torch.device("meta"))  # a device tensor's work
         assert not linked.get_future().done()  # the model holds it back
         linked.get_future().wait()
         assert work.waited_on == "ddplab-simulated-link"  # before completing: the stream waits

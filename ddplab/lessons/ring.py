@@ -95,8 +95,7 @@ def send_waits_on_rank(delay_s: float = 0.5, numel: int = 1) -> dict:
     t = torch.ones(numel, device=device())
     rank = dist.get_rank()
     took = None
-    # Ranks start this function at different moments (each picks it off its own queue): line
-    # them up first, so that rank 1's delay is counted from when rank 0 starts its send.
+    # line the ranks up first: rank 1's delay then counts from the moment rank 0 starts its send
     dist.barrier()
     if rank == 0:
         t0 = time.perf_counter()
