@@ -35,24 +35,9 @@ $(PYTEST) $(1); rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "make $@: pytest collected no tests (exit 5): check its paths and -m" >&2; fi; exit $$rc
 endef
 UNIT = tests --ignore-glob='tests/test_browser*.py'
-# Unit test files make test leaves to make check, to keep make test-unit within 5 minutes:
-# stress tests of the ranks' life cycle (an Interrupt at every point, a killed kernel, a
-# classroom day of jobs, faults, late ranks), the graders' planted-mistake suites beyond the
-# fast catalogue subset (each mistake waits out a short timeout or a hang), the fake-NCCL reruns
-# of existing suites and the fake-NCCL contract, the gpu-check script's CPU tests, Slurm's variables,
-# and the sharding suites (ZeRO-1, FSDP: each starts its own ranks). make test still
-# grades one correct and one wrong solution of every exercise (tests/test_graders_catalogue.py).
-UNIT_MORE = tests/test_cluster_interrupts.py tests/test_cluster_kernel.py tests/test_cluster_soak.py \
-	tests/test_cluster_faults.py tests/test_observed_timeouts.py \
-	tests/test_ring.py tests/test_checks_labs06_08.py tests/test_graders_slips.py \
-	tests/test_recording_endings.py tests/test_observed_fake_nccl.py \
-	tests/test_sharded_optimizer_more.py tests/test_checks_sharding.py \
-	tests/test_fsdp.py tests/test_fsdp_seen.py \
-	tests/test_recorder_fake_nccl.py tests/test_graders_fake_nccl.py \
-	tests/test_memory_more.py tests/test_fits_more.py \
-	tests/test_sharded_optimizer.py tests/test_memory.py tests/test_fits.py tests/test_zero_rows.py \
-	tests/test_sharding_one_axis.py tests/test_gpu_check.py tests/test_record_fake_nccl.py \
-	tests/test_nccl_contract.py tests/test_observed_coalesced.py tests/test_launchers.py
+# make test-unit leaves the tests marked `more` to make check (make test-unit-more), to stay
+# within 5 minutes: the life-cycle stress tests, the graders' planted-mistake suites, the fake-NCCL
+# and sharding suites, tests that start processes of their own (tests/conftest.py, MORE_FILES).
 NBVAL = --nbval-lax --nbval-current-env --nbval-sanitize-with labs/nbval-sanitize.cfg
 LABS = $(sort $(wildcard labs/*.ipynb))
 # The labs make test runs (<= 3 min together); the others run in make check.
@@ -70,7 +55,7 @@ test-fast: $(STAMP)
 
 test-unit: $(STAMP)
 	$(VENV)/bin/ruff check .
-	$(call pytest_or_say_empty,-q $(UNIT) $(addprefix --ignore=,$(UNIT_MORE)))
+	$(call pytest_or_say_empty,-q -m "not more" $(UNIT))
 
 test-labs: $(STAMP)
 	$(call pytest_or_say_empty,-q $(NBVAL) $(LABS_QUICK))
@@ -81,14 +66,16 @@ test-browser: $(STAMP)
 # make check: make test, then CHECK_MORE in this order. Whatever is too long for make test
 # goes into CHECK_MORE (add a target's name to the list: the full
 # grader mutation catalogue, ...); make check stays <= 45 min on a 2-core machine.
-CHECK_MORE = test-unit-more test-labs-more test-labs-ws1 test-graders test-hub handouts test-slurm test-slurm-hub
+# Every lab at the default world size runs in handouts (it executes each notebook and exits
+# non-zero naming a failed one, as nbval does): test-labs-more stays as a target of its own.
+CHECK_MORE = test-unit-more test-labs-ws1 test-graders test-hub handouts test-slurm test-slurm-hub
 check: $(STAMP)
 	$(MAKE) test
 	$(MAKE) $(CHECK_MORE)
 
 # The unit tests make test leaves out.
 test-unit-more: $(STAMP)
-	$(call pytest_or_say_empty,-q $(UNIT_MORE))
+	$(call pytest_or_say_empty,-q -m more $(UNIT))
 
 # The labs make test leaves out.
 test-labs-more: $(STAMP)

@@ -26,6 +26,16 @@ allows one rank per GPU, so a 1-GPU machine still runs the NCCL paths);
 ``@pytest.mark.gpu(2)`` needs two. Without them the test skips saying why.
 
 ``@pytest.mark.slow``: takes more than a few seconds; ``make test-fast`` leaves it out.
+
+``@pytest.mark.more``: left to make check (``make test-unit-more``), to keep ``make test-unit``
+within 5 minutes; every test of a file in ``MORE_FILES`` gets it here. They are the stress
+tests of the ranks' life cycle (an Interrupt at every point, a killed kernel, a classroom day
+of jobs, faults, late ranks), the graders' planted-mistake suites beyond the fast catalogue
+subset (each mistake waits out a short timeout or a hang), the fake-NCCL reruns of existing
+suites and the fake-NCCL contract, the sharding suites (each starts its own ranks), and single
+tests that start processes of their own (command lines, torchrun, the classroom command).
+make test still grades one correct and one wrong solution of every exercise
+(tests/test_graders_catalogue.py).
 """
 from __future__ import annotations
 
@@ -37,12 +47,25 @@ import pytest
 # Helper modules whose functions stand for a learner's code: they go by value as well.
 BY_VALUE_HELPERS = ("_exercise_solutions",)
 
+MORE_FILES = {
+    "test_cluster_interrupts.py", "test_cluster_kernel.py", "test_cluster_soak.py", "test_cluster_faults.py",
+    "test_observed_timeouts.py", "test_ring.py", "test_checks_labs06_08.py", "test_graders_slips.py",
+    "test_recording_endings.py", "test_observed_fake_nccl.py", "test_sharded_optimizer_more.py",
+    "test_checks_sharding.py", "test_fsdp.py", "test_fsdp_seen.py", "test_recorder_fake_nccl.py",
+    "test_graders_fake_nccl.py", "test_memory_more.py", "test_fits_more.py", "test_sharded_optimizer.py",
+    "test_memory.py", "test_fits.py", "test_zero_rows.py", "test_sharding_one_axis.py", "test_gpu_check.py",
+    "test_record_fake_nccl.py", "test_nccl_contract.py", "test_observed_coalesced.py", "test_launchers.py",
+    "test_classroom.py", "test_exercises.py", "test_handouts.py", "test_proxy_guard.py",
+}
+
 
 def pytest_collection_modifyitems(config, items):
     from ddplab.cluster.resources import visible_gpus
 
     gpus = visible_gpus()
     for item in items:
+        if item.path.name in MORE_FILES:
+            item.add_marker(pytest.mark.more)
         marker = item.get_closest_marker("gpu")
         if marker is None:
             continue

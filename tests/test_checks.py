@@ -350,6 +350,7 @@ def test_a_hang_is_stopped_and_says_what_it_waited_for(cluster):
 
 
 @pytest.mark.slow
+@pytest.mark.more
 def test_a_python_hang_is_stopped_with_where_it_waited(cluster):
     # both ranks sit in Python, not in a collective: the job limit (2 * 1 + 10 s) stops them
     failed = failure(checks.check_average_gradients, cluster, avg_waits_forever, timeout=1)

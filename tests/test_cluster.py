@@ -149,6 +149,7 @@ def test_every_rank_raising_keeps_the_ranks(cluster2):
 
 
 @pytest.mark.slow
+@pytest.mark.more
 def test_hung_collective_times_out_and_ranks_are_replaced():
     def skip_on_rank_1():
         import torch.distributed as dist
@@ -200,6 +201,7 @@ def test_a_rank_that_dies_is_reported_and_replaced(cluster2):
 
 
 @pytest.mark.slow
+@pytest.mark.more
 def test_two_clusters_at_once():
     with ddplab.Cluster(2) as a, ddplab.Cluster(2) as b:
         assert a._gens.rendezvous.dir != b._gens.rendezvous.dir
@@ -219,6 +221,7 @@ def test_two_clusters_at_once():
 
 
 @pytest.mark.slow
+@pytest.mark.more
 def test_shutdown_leaves_no_processes_and_no_aborts():
     # gloo can abort a rank during interpreter teardown (docs/pitfalls.md); ranks
     # here leave through os._exit after a clean destroy, so every exit is 0.

@@ -161,6 +161,7 @@ def test_bad_arguments_say_what_to_do(cluster):
 
 
 @pytest.mark.slow
+@pytest.mark.more
 def test_command_line_writes_json_trace_and_html(tmp_path):
     out = subprocess.run(
         [sys.executable, "-m", "ddplab", "compare", "--world-size", "2", "--strategies",

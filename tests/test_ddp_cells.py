@@ -258,6 +258,7 @@ def test_run_job_on_some_ranks_returns_none_for_the_others():
 
 
 @pytest.mark.slow
+@pytest.mark.more
 def test_tab_and_inspect_in_a_ddp_cell_ask_rank_0_and_put_nothing_in_the_kernel():
     from _kernel import execute, running_kernel
 

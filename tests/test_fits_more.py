@@ -1,5 +1,5 @@
 """The what-if of memory against measurement at 1, 3 and 4 ranks (slow: three clusters;
-make check's UNIT_MORE). Same tolerance rule as tests/test_fits.py."""
+make check's test-unit-more). Same tolerance rule as tests/test_fits.py."""
 from __future__ import annotations
 
 from test_fits import check_against

@@ -19,7 +19,7 @@ from torch import nn
 
 from ddplab.sync import core
 
-# Live ranks, several runs each: make check (UNIT_MORE), not make test-fast or test-unit.
+# Live ranks, several runs each: make check (test-unit-more), not make test-fast or test-unit.
 pytestmark = pytest.mark.slow
 IN, OUT, ROWS, STEPS = 6, 3, 12, 4
 

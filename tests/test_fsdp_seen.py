@@ -18,7 +18,7 @@ from ddplab.sync.registry import build_strategy, strategy_names
 from ddplab.timeline.on_group import GroupRecorder
 from ddplab.timeline.recorder import Recorder
 
-# Live ranks, several runs each: make check (UNIT_MORE), not make test-fast or test-unit.
+# Live ranks, several runs each: make check (test-unit-more), not make test-fast or test-unit.
 pytestmark = pytest.mark.slow
 FLOATS = 2 * (12 * 12 + 12) + 12 * 6 + 6  # every weight and bias divides by 2 and 3
 

@@ -13,7 +13,7 @@ graders' NCCL branches (``backend_name() == "nccl"``). What it does not: ``devic
 answers ``cpu`` here, so the learner's tensors are CPU tensors routed to the fake, not
 CUDA tensors; no kernels, no real NCCL stream, no watchdog; and, the host being the
 device, a work's future completes when its transfer has (on a GPU: at enqueue, with stream
-order keeping a comm hook's division after the collective). (In make check: UNIT_MORE.)
+order keeping a comm hook's division after the collective). (In make check: test-unit-more.)
 """
 import itertools
 

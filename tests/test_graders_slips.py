@@ -1,7 +1,7 @@
 """The slips the graders name beyond the fast subset's (tests/test_graders_catalogue.py): each
 planted once, and each must end in a CheckFailed naming that very slip.
 
-make check runs this file (UNIT_MORE): each slip waits out a short timeout or a hang, about
+make check runs this file (test-unit-more): each slip waits out a short timeout or a hang, about
 40 s together on an idle 2-core machine. The whole catalogue is ``make test-graders``.
 """
 import graders_catalogue as C

@@ -1,5 +1,5 @@
 """Memory per rank at world sizes 1-4 for every row (slow: four clusters; make check's
-UNIT_MORE). The sharded parts are checked against sizes worked out from the model."""
+test-unit-more). The sharded parts are checked against sizes worked out from the model."""
 from __future__ import annotations
 
 from test_memory import _full_sizes, _shard_bytes

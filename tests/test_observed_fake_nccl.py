@@ -4,7 +4,7 @@ The fake (tests/_fake_nccl.py) answers blocking ops with no work, completes futu
 enqueue and words its timeouts as NCCL does; every tensor of the ranks goes to the
 group's NCCL half. The same observers must see the same ops, counts must equal gloo's,
 torch DDP's buckets must be seen, a short limit must end a stall and replace the ranks,
-and ranks that issued the same collectives must be kept. (In make check: UNIT_MORE.)
+and ranks that issued the same collectives must be kept. (In make check: test-unit-more.)
 """
 import itertools
 

@@ -17,7 +17,7 @@ there, after the fake's work.wait() blocked until gloo moved the data), so durat
 host durations of real gloo transfers, not kernel times; and in this mode a work's future
 completes when the transfer has, not at enqueue (the observing-group suite holds the fake
 to that contract). A real GPU run is make gpu-check's.
-(In make check: UNIT_MORE.)
+(In make check: test-unit-more.)
 """
 import itertools
 import sys

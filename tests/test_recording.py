@@ -149,6 +149,8 @@ def test_the_three_files_and_the_viewer(cluster2, tmp_path):
     assert "plotly" in html.lower()
 
 
+@pytest.mark.slow
+@pytest.mark.more  # make check: a torchrun of its own
 def test_a_torchrun_script_with_the_one_call_writes_three_files_and_view_draws_two(tmp_path):
     import os
     import subprocess

@@ -93,6 +93,7 @@ def test_the_control_panel_lists_and_runs_a_registered_strategy(cluster, registe
 
 
 @pytest.mark.slow
+@pytest.mark.more
 def test_the_command_line_runs_a_strategy_defined_in_a_file(tmp_path):
     out = subprocess.run(
         [sys.executable, "-m", "ddplab", "compare", "--strategies", "manual", "--strategy",

@@ -1,4 +1,4 @@
-"""ShardedOptimizer's heavier correctness cases (make check: Makefile UNIT_MORE): uneven
+"""ShardedOptimizer's heavier correctness cases (make check: test-unit-more): uneven
 shares, tied weights, a parameter idle every other step with momentum, param groups with their
 own learning rate, and 3 ranks; each after every step against one process and torch's ZeRO
 (the cases and the checks are tests/test_sharded_optimizer.py's)."""

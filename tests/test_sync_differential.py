@@ -52,7 +52,7 @@ def test_case_configs_cover_every_feature_and_option():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("world_size", [2, pytest.param(3, marks=pytest.mark.more)])
 def test_random_models_and_options_train_like_torch_ddp_and_one_process(world_size):
     seeds = _seeds(world_size)
     with ddplab.Cluster(world_size=world_size, timeout=60) as cluster:

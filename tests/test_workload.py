@@ -130,6 +130,7 @@ def test_the_builtin_transformer_under_compare(cluster):
 
 
 @pytest.mark.slow
+@pytest.mark.more
 def test_the_command_line_takes_a_model_from_a_file(tmp_path):
     (tmp_path / "mine.py").write_text(CELL)
     out = subprocess.run(
