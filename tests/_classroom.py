@@ -1,8 +1,8 @@
 """The instructor's side of a class, as the classroom tests drive it: nbgrader on a course folder.
 
-``make_room`` runs ``python -m ddplab classroom``; ``instructor_grade`` does what the instructor's
-README says (students into the gradebook, generate the assignment, autograde the submissions
-found under ``submitted/<student>/<assignment>/``) and returns each student's score from the
+``make_room`` runs ``python -m ddplab classroom``; ``nbgrader`` runs what the instructor's README
+says (students into the gradebook, generate the assignment, autograde the submissions found
+under ``submitted/<student>/<assignment>/``) and ``scores`` reads each student's score from the
 gradebook. nbgrader runs as a command, the way an instructor runs it; its gradebook migrations
 run ``alembic``, which is found on PATH only, so the venv's bin goes first on PATH.
 """
@@ -109,14 +109,6 @@ def submit(course: Path, student: str, nb, lab: str = LAB) -> None:
     nbformat.write(nb, folder / f"{lab}.ipynb")
 
 
-def instructor_grade(course: Path, students: list[str], lab: str = LAB) -> dict:
-    """Gradebook scores after importing the roster, generating and autograding ``lab``."""
-    nbgrader(course, "db", "student", "import", "roster.csv")
-    nbgrader(course, "generate_assignment", lab, "--force")
-    nbgrader(course, "autograde", lab, "--force")
-    return scores(course, students, lab)
-
-
 def scores(course: Path, students: list[str], lab: str = LAB) -> dict:
     from nbgrader.api import Gradebook
 
@@ -133,6 +125,16 @@ def feedback(course: Path, student: str, lab: str = LAB) -> str:
             texts.append("".join(out.get("text", "")) + out.get("evalue", "")
                          + "".join(out.get("traceback", [])))
     return "\n".join(texts)
+
+
+def errors_outside_graders(course: Path, student: str, lab: str = LAB) -> list[str]:
+    """"cell N: ErrorName" for each cell of the autograded notebook that raised and is not a
+    grader (nbgrader's grade cells; a learner's slip is expected to fail those)."""
+    nb = json.loads((course / "autograded" / student / lab / f"{lab}.ipynb").read_text())
+    return [f"cell {i}: {out.get('ename')}: {out.get('evalue', '')[:200]}"
+            for i, cell in enumerate(nb["cells"])
+            if not cell.get("metadata", {}).get("nbgrader", {}).get("grade")
+            for out in cell.get("outputs", []) if out.get("output_type") == "error"]
 
 
 def remove(folder: Path) -> None:

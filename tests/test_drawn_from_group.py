@@ -185,6 +185,7 @@ def test_as_strategy_says_what_it_takes():
 
 
 @pytest.mark.slow
+@pytest.mark.more
 def test_a_plain_process_group_is_refused_saying_what_to_do(tmp_path):
     code = f"""
 import torch.distributed as dist

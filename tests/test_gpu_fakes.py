@@ -36,6 +36,7 @@ def _cpu_models_made_on_purpose():
 
 
 @pytest.mark.slow
+@pytest.mark.more
 def test_cpu_models_built_on_purpose_pass_the_strict_device_check_of_an_nccl_rank():
     # These build CPU models on purpose and a 1-GPU machine runs them: the graders' float64
     # torch-DDP reference, lab 08's traffic count, lab 06's straggler. torch DDP is drawn from

@@ -151,6 +151,7 @@ def test_a_syntax_error_is_caught_in_the_kernel(notebook):
 
 
 @pytest.mark.slow
+@pytest.mark.more
 def test_export_runs_under_torchrun_with_the_notebooks_output(notebook):
     nb, workdir = notebook
     script = (workdir / "exported.py").read_text()

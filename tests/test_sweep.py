@@ -18,6 +18,7 @@ def test_bucket_sweep_measures_and_predicts_on_a_simulated_link():
 
 
 @pytest.mark.slow
+@pytest.mark.more
 def test_scaling_rows_and_efficiencies():
     sc = scaling((1, 2), steps=2, n_params=2e5, global_batch=16)
     rows = sc["rows"]

@@ -91,6 +91,7 @@ def test_pushed_values_are_reproduced_or_clearly_marked():
 
 
 @pytest.mark.slow
+@pytest.mark.more
 def test_exported_script_on_two_nodes(tmp_path):
     export.write_script(tmp_path / "train.py", recording(2))
     port, job = free_port(), f"ddplab-{uuid.uuid4().hex[:8]}"
