@@ -1,5 +1,6 @@
-"""Lab 12's one time axis (ddplab.widgets.compare.one_axis_figure): DDP, FSDP and fully_shard
-in one figure, every collective drawn from the observing group."""
+"""Lab 12's one time axis (ddplab.widgets.compare.one_axis_figure): DDP, ZeRO-1 (ddplab's and
+torch's), FSDP and fully_shard in one figure, every collective drawn from the observing group,
+the optimizer's step included."""
 from __future__ import annotations
 
 import re
@@ -7,7 +8,8 @@ import re
 from ddplab.lessons import sharding
 from ddplab.widgets.compare import one_axis_figure
 
-NAMES = ("ddp", "fsdp", "torch_fsdp2")
+NAMES = ("ddp", "zero1", "torch_zero", "fsdp", "torch_fsdp2")
+N_PARAMS = 6  # sharding.stack(): three Linear layers, a weight and a bias each
 
 
 def _bars(fig, panel):
@@ -27,7 +29,9 @@ def test_one_figure_one_time_axis_every_layers_collectives_on_every_rank(cluster
     runs = {name: cluster2.run(sharding.traffic_on_rank, name) for name in NAMES}
     fig = one_axis_figure(runs)
     # one x axis: the upper panels' follow the last one's (plotly's shared_xaxes)
-    assert [fig.layout[f"xaxis{k}"].matches for k in ("", 2, 3)] == ["x3", "x3", None]
+    last = f"x{len(NAMES)}"
+    assert [fig.layout[f"xaxis{k}"].matches for k in ("", *range(2, len(NAMES) + 1))] \
+        == [last] * (len(NAMES) - 1) + [None]
     ends = []
     for panel, name in enumerate(NAMES, start=1):
         bars = _bars(fig, panel)
@@ -35,14 +39,23 @@ def test_one_figure_one_time_axis_every_layers_collectives_on_every_rank(cluster
         assert all(0 <= a <= e for *_, a, e in bars)
         for rank in (0, 1):
             mine = [(op, phase) for r, op, phase, _, _ in bars if r == rank]
-            # DDP: its all-reduce. Its bar can be missing: traffic_on_rank may end the
-            # recording before torch DDP's future callback stamps the end (not checked here)
-            if name == "ddp":
-                assert {op for op, _ in mine} <= {"all_reduce"}
+            # every call the rank made is drawn, its end stamped before the recording ended
+            assert len(mine) == len(runs[name][rank]["calls"]), (name, rank, mine)
+            if name in ("ddp", "zero1", "torch_zero"):
+                # torch DDP's one bucket (the model is small), all-reduced in the backward;
+                # ZeRO-1 then broadcasts every parameter from its owner in the step
+                broadcasts = 0 if name == "ddp" else N_PARAMS
+                assert sorted(mine) == [("all_reduce", "backward")] + [("broadcast", "step")] * broadcasts
                 continue
             # three layers: an all-gather each in the forward; in the backward an all-gather
             # and a reduce-scatter each (fully_shard reduces its first layer after backward)
             assert mine.count(("all_gather_into_tensor", "forward")) == 3, (name, mine)
             assert mine.count(("all_gather_into_tensor", "backward")) == 3, (name, mine)
             assert sum(op == "reduce_scatter_tensor" for op, _ in mine) == 3, (name, mine)
+            assert not any(phase == "step" for _, phase in mine)  # SGD on the shards: no traffic
     assert max(ends) > 0
+    # counted at the group: ZeRO-1 (all-reduce, then broadcast) and FSDP (two all-gathers,
+    # a reduce-scatter) each send 1.5x DDP's ring bytes
+    ring = {name: runs[name][0]["ring_bytes"] for name in NAMES}
+    for name in ("zero1", "torch_zero", "fsdp", "torch_fsdp2"):
+        assert abs(ring[name] - 1.5 * ring["ddp"]) < 1e-6 * ring["ddp"], ring

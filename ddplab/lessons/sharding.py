@@ -3,9 +3,10 @@
 Teaches, on the live ranks: ``holds_on_rank`` wraps one model in the
 reference FSDP (``ddplab.sync.core.fsdp``) and reports the parameter bytes a
 rank holds between layers against the full model's; ``traffic_on_rank``
-runs one training step of a registered strategy (``ddp``, ``fsdp``,
-``torch_fsdp2``) while a ``GroupRecorder`` watches the observing group, and
-returns every collective it saw (op, forward or backward, payload bytes),
+runs one training step of a registered strategy (``ddp``, ``zero1``,
+``torch_zero``, ``fsdp``, ``torch_fsdp2``), its optimizer's step included,
+while a ``GroupRecorder`` watches the observing group, and returns every
+collective it saw (op, its phase: forward, backward or step, payload bytes),
 each rank's ring bytes and the step's timeline; ``one_axis_figure`` draws
 those steps, strategy by strategy, on one shared time axis (the panels of
 ``ddplab.widgets.compare``, as labs 02 and 03 compare strategies).
@@ -59,6 +60,11 @@ def traffic_on_rank(name: str) -> dict:
         out.square().mean().backward()
         if built.after_backward is not None:
             built.after_backward()
+    # the ZeRO rows bring their sharded optimizer (it broadcasts in its step); the others SGD
+    make_optimizer = getattr(built, "optimizer", None) or torch.optim.SGD
+    optimizer = make_optimizer(list(built.model.parameters()), lr=0.1)
+    with watch.watching(phase="step"), rec.phase("step"):
+        optimizer.step()
     end = watch.end_iteration()
     rec.end_iteration()
     return {"calls": end["calls"], "ring_bytes": end["ring_bytes"], "nbytes": end["nbytes"],

@@ -23,25 +23,31 @@ It also counts the bytes and calls of each iteration: a strategy that does
 not count its own traffic gets ``comm_bytes_per_step`` from here.
 
 Sharded data parallel (FSDP, torch's ``fully_shard``) makes all-gathers and
-reduce-scatters instead: each one is drawn as a bucket too, in launch order,
-with its ``op`` and ``phase``: "backward" when made while the autograd
-engine runs a node, "forward" before that, "after backward" after. Bytes
-are counted two ways. ``nbytes``: the payload handed to the group (what a
-rank passes in: its shard for an all-gather, the full tensor for an
-all-reduce or a reduce-scatter). ``ring_bytes``: what each rank sends over
-a ring of p ranks for that call, the textbook cost: all-reduce of N bytes
-2(p-1)/p N (it IS a reduce-scatter then an all-gather), reduce-scatter of N
-bytes (p-1)/p N, all-gather of shards s (p-1) s. FSDP's two all-gathers and
-one reduce-scatter of N bytes of weights send 3(p-1)/p N: 1.5x DDP's one
-all-reduce (docs/facts.md).
+reduce-scatters instead, and a sharded optimizer (ZeRO-1: ddplab's
+``ShardedOptimizer``, torch's ``ZeroRedundancyOptimizer``) broadcasts each
+owner's updated parameters after its step: each one is drawn as a bucket too,
+in launch order, with its ``op`` and ``phase``: "backward" when made while the
+autograd engine runs a node, "forward" before that, "after backward" after,
+or the phase the block names (``watching(phase="step")`` around an
+optimizer's step). Bytes are counted two ways. ``nbytes``: the payload handed
+to the group (what a rank passes in: its shard for an all-gather, the full
+tensor for the others). ``ring_bytes``: what each rank sends over a ring of
+p ranks for that call, the textbook cost: all-reduce of N bytes 2(p-1)/p N
+(it IS a reduce-scatter then an all-gather), reduce-scatter of N bytes
+(p-1)/p N, all-gather of shards s (p-1) s, and broadcast of N bytes along a
+chain (every rank but the last forwards N bytes) (p-1)/p N per rank on
+average: the root and the middle ranks send N, the last sends nothing.
+FSDP's two all-gathers and one reduce-scatter of N bytes of weights send
+3(p-1)/p N: 1.5x DDP's one all-reduce (docs/facts.md); so do ZeRO-1's
+all-reduce of the gradients and broadcast of the parameters.
 
 ``record_launch`` is the one place a launch and its end are stamped: ddplab's
 own strategies (``ddplab.sync.comm``) stamp through it too.
 
 Leaves out, compared with a reducer that records itself: which parameters a
 bucket holds (the group sees a flat buffer; torch DDP's layout comes from its
-logging data, ``ddplab.sync.ddp_trace``), and broadcasts, lists of
-gathers and point-to-point calls (not drawn, not counted). The group sees tensors, not
+logging data, ``ddplab.sync.ddp_trace``), and lists of gathers and
+point-to-point calls (not drawn, not counted). The group sees tensors, not
 buckets: EVERY all-reduce in the window is drawn as one, also one made for
 another purpose (a logged loss, ``find_unused_parameters``' map of used
 parameters, PowerSGD's two per bucket). That is why ddplab's full reducers,
@@ -64,7 +70,8 @@ from ddplab.contracts.clock import now
 
 
 def record_launch(recorder, work, *, bucket, kind, nbytes, params=(), on_device=False):
-    """Stamp "launch" now and "done" (or, on a device, "enqueued") when ``work`` completes.
+    """Stamp "launch" now and "done" (or, on a device, "enqueued") when ``work`` completes;
+    returns the future that completes once "done" is stamped (None with a device timer).
 
     Over a simulated link ``work`` has ``done_stamp()``: the stamp is the modelled end and
     says who decided it. On NCCL without a link a device timer, if the recorder has one,
@@ -75,14 +82,14 @@ def record_launch(recorder, work, *, bucket, kind, nbytes, params=(), on_device=
     timer = getattr(recorder, "device_timer", None)  # optional part of EventRecorder
     if timer is not None and not linked:
         timer.launched(work, bucket, kind)
-        return
+        return None
 
     def stamp_done(_fut):
         extra = work.done_stamp() if linked else {}
         event = "enqueued" if on_device and not linked else "done"
         recorder.record(event, now(), bucket=bucket, kind=kind, **extra)
 
-    work.get_future().then(stamp_done)
+    return work.get_future().then(stamp_done)
 
 
 class _StampedAtWait(dist._Work):
@@ -115,6 +122,7 @@ RING_FACTOR = {
     "all_reduce": lambda p: 2 * (p - 1) / p,  # a reduce-scatter, then an all-gather
     "reduce_scatter_tensor": lambda p: (p - 1) / p,  # handed the full tensor
     "all_gather_into_tensor": lambda p: p - 1,  # handed its shard: sends it to p-1 ranks
+    "broadcast": lambda p: (p - 1) / p,  # along a chain p-1 ranks forward it: per rank on average
 }
 
 
@@ -130,6 +138,7 @@ class GroupRecorder(Observing):
     def __init__(self, recorder=None, params=()):
         self.recorder = recorder
         self.launches: list[list[int]] = []  # per finished iteration: elements per all-reduce
+        self.named_phase = None  # the phase watching(phase=...) names, e.g. "step"
         self._handles = [p.register_post_accumulate_grad_hook(self._grad_ready)
                          for p in params if p.requires_grad] if recorder is not None else []
         self.begin_iteration()
@@ -144,6 +153,9 @@ class GroupRecorder(Observing):
         self.last_ready = None  # the newest gradient-ready stamp not yet given to a launch
         self.backward_end = None  # the newest gradient-ready stamp of the iteration
         self.backward_end_event = None
+        # the futures that complete once a "done" is stamped: end_iteration waits for them, as
+        # a work's wait() can return before the callbacks on its future have run
+        self.stamping: list = []
 
     def _grad_ready(self, _param) -> None:
         self.last_ready = self.backward_end = now()
@@ -152,10 +164,15 @@ class GroupRecorder(Observing):
             self.backward_end_event = timer.phase_event()
 
     @contextlib.contextmanager
-    def watching(self, group=None):
-        """Within the block, this recorder sees every op on the (default) observing group."""
-        with observing(self, group):
-            yield self
+    def watching(self, group=None, phase=None):
+        """Within the block, this recorder sees every op on the (default) observing group;
+        ``phase`` names the phase of the calls made in it (e.g. "step")."""
+        self.named_phase = phase
+        try:
+            with observing(self, group):
+                yield self
+        finally:
+            self.named_phase = None
 
     # -- the observer's side (ddplab.contracts.protocols.Observer) ------------------------
     def launched(self, op, tensors, group, peer):
@@ -167,7 +184,9 @@ class GroupRecorder(Observing):
         nbytes = sum(payload_bytes(t) for t in tensors)
         self.nbytes += nbytes
         self.ring_bytes += RING_FACTOR[op](group.size()) * nbytes
-        if torch._C._current_autograd_node() is not None:  # the engine is running a node
+        if self.named_phase is not None:
+            phase = self.named_phase
+        elif torch._C._current_autograd_node() is not None:  # the engine is running a node
             phase, self.seen_backward = "backward", True
         else:  # torch's fully_shard reduce-scatters its last layer in backward's final callback
             phase = "after backward" if self.seen_backward or self.backward_end else "forward"
@@ -191,13 +210,19 @@ class GroupRecorder(Observing):
                                  params=self.calls[index][:2])
             return _StampedAtWait(work, lambda: self.recorder.record(
                 "done", now(), bucket=index, kind="grad"))
-        record_launch(self.recorder, work, bucket=index, kind="grad", nbytes=nbytes,
-                      params=self.calls[index][:2], on_device=on_device)
+        stamped = record_launch(self.recorder, work, bucket=index, kind="grad", nbytes=nbytes,
+                                params=self.calls[index][:2], on_device=on_device)
+        if stamped is not None:
+            self.stamping.append((work.get_future(), stamped))
         return None
 
     def end_iteration(self) -> dict:
         """This iteration's facts: where backward's compute ended (the last gradient-ready
         stamp, and its device event) and how many all-reduces it launched."""
+        for fut, stamped in self.stamping:  # each finished launch's "done" is recorded by now
+            if fut.done():  # (one still running, or hung, is not waited for here)
+                with contextlib.suppress(RuntimeError):
+                    stamped.wait()
         self.launches.append(self.sizes)
         out = {"backward_compute_end": self.backward_end, "n_buckets": len(self.sizes),
                "backward_compute_end_event": self.backward_end_event, "nbytes": self.nbytes,
