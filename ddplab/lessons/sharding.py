@@ -51,7 +51,7 @@ def traffic_on_rank(name: str) -> dict:
     model = stack()
     built = build_strategy(name, model)
     rec = Recorder(name, rank, ws)
-    watch = GroupRecorder(rec, model.parameters())
+    watch = GroupRecorder(rec, model.parameters(), broadcasts=True)  # ZeRO-1's step
     x = torch.randn(8, 12, generator=torch.Generator().manual_seed(rank))
     rec.begin_iteration(0)
     with watch.watching(), rec.phase("forward"):

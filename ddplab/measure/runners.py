@@ -123,8 +123,10 @@ class StrategyRunner:
             if watch is not None:
                 end = watch.end_iteration()
                 self._split_at_last_gradient(end)
-            with rec.phase("step"), self._step_traffic() as stepped:
-                self.opt.step()
+        # outside the watch: a sharded optimizer's broadcasts are counted here, once, not
+        # drawn as the next iteration's buckets
+        with rec.phase("step"), self._step_traffic() as stepped:
+            self.opt.step()
         self.comm_bytes = end["nbytes"] if watch is not None else counted.grad_bytes
         self.comm_bytes += stepped.nbytes if stepped is not None else 0
         rec.end_iteration()

@@ -25,7 +25,8 @@ not count its own traffic gets ``comm_bytes_per_step`` from here.
 Sharded data parallel (FSDP, torch's ``fully_shard``) makes all-gathers and
 reduce-scatters instead, and a sharded optimizer (ZeRO-1: ddplab's
 ``ShardedOptimizer``, torch's ``ZeroRedundancyOptimizer``) broadcasts each
-owner's updated parameters after its step: each one is drawn as a bucket too,
+owner's updated parameters after its step (drawn when the recorder is made
+with ``broadcasts=True``): each one is drawn as a bucket too,
 in launch order, with its ``op`` and ``phase``: "backward" when made while the
 autograd engine runs a node, "forward" before that, "after backward" after,
 or the phase the block names (``watching(phase="step")`` around an
@@ -131,12 +132,16 @@ class GroupRecorder(Observing):
 
     ``recorder``: a ``ddplab.timeline.recorder.Recorder`` (None: count only);
     ``params``: the parameters whose gradient-ready moments to stamp (before the
-    reducer that uses them is built). Call ``begin_iteration()`` before each
-    iteration and ``end_iteration()`` after its backward and synchronization.
+    reducer that uses them is built); ``broadcasts``: draw and count broadcasts too
+    (a sharded optimizer's step). Off by default: torch DDP also broadcasts rank 0's
+    buffers before each forward (``broadcast_buffers``), which is not gradient
+    synchronization. Call ``begin_iteration()`` before each iteration and
+    ``end_iteration()`` after its backward and synchronization.
     """
 
-    def __init__(self, recorder=None, params=()):
+    def __init__(self, recorder=None, params=(), broadcasts=False):
         self.recorder = recorder
+        self.ops = set(RING_FACTOR) - (set() if broadcasts else {"broadcast"})
         self.launches: list[list[int]] = []  # per finished iteration: elements per all-reduce
         self.named_phase = None  # the phase watching(phase=...) names, e.g. "step"
         self._handles = [p.register_post_accumulate_grad_hook(self._grad_ready)
@@ -176,7 +181,7 @@ class GroupRecorder(Observing):
 
     # -- the observer's side (ddplab.contracts.protocols.Observer) ------------------------
     def launched(self, op, tensors, group, peer):
-        if op not in RING_FACTOR:
+        if op not in self.ops:
             return None
         index = len(self.calls)
         if op == "all_reduce":
