@@ -165,7 +165,7 @@ def check_sharded_step(cluster, fn, *, timeout: float = 60.0) -> list:
                                    "be posted inside gloo.")
     diagnose(per_rank)
     passed["sharded_step"] = True
-    print(f"sharded step: equal to one process after each of {STEPS} Adam steps on "
+    print(f"sharded step: passed. Equal to one process after each of {STEPS} Adam steps on "
           f"{len(per_rank)} ranks; each step sent {per_rank[0]['param_bytes']} bytes "
           "(one copy of the parameters)")
     return per_rank
