@@ -125,10 +125,15 @@ def diagnose(per_rank: list) -> None:
     for r in per_rank:
         for i, s in enumerate(r["steps"]):
             if s["nbytes"] != size or set(s["by_op"]) - {"broadcast"}:
+                # zeroing the others' parameters, then all-reducing, ends with the right weights
+                reduced = ("" if "all_reduce" not in s["by_op"] else
+                           " An all-reduce of parameters the other ranks zeroed gives the right "
+                           "weights, but on a ring it sends 2(p-1)/p of the bytes per rank where "
+                           "broadcasts from the owners send (p-1)/p on average: twice the traffic.")
                 raise CheckFailed(WRONG_BYTES, f"rank {r['rank']}, step {i}: your step handed the "
                                                f"group {s['nbytes']} bytes ({s['by_op']}); the "
                                                f"parameters are {size} bytes, and each one "
-                                               "travels once, from its owner.")
+                                               "travels once, from its owner." + reduced)
     if not all(s["replicas_equal"] for r in per_rank for s in r["steps"]):
         raise CheckFailed(NOT_RECEIVED, "the ranks hold different weights although every "
                                         "parameter's bytes were sent: what travelled was not "
