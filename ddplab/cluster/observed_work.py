@@ -47,12 +47,38 @@ class Observing:
         pass
 
 
-class ObservedWork(dist._Work):
+class ForwardingWork(dist._Work):
+    """A work that answers for ``work``: a subclass overrides what it watches (``wait``)."""
+
+    def __init__(self, work):
+        super().__init__()
+        self.work = work
+
+    def is_completed(self):
+        return self.work.is_completed()
+
+    def is_success(self):
+        return self.work.is_success()
+
+    def exception(self):
+        return self.work.exception()
+
+    def synchronize(self):
+        return self.work.synchronize()
+
+    def source_rank(self):
+        return self.work.source_rank()
+
+    def result(self):
+        return self.work.result()
+
+
+class ObservedWork(ForwardingWork):
     """The work a caller gets: waits go through the observers (timeouts, notes)."""
 
     def __init__(self, work, group, calls: list, cap=None):
-        super().__init__()
-        self.work, self.group, self.calls, self.cap = work, group, calls, cap
+        super().__init__(work)
+        self.group, self.calls, self.cap = group, calls, cap
 
     def wait(self, timeout=None):
         limit = self.group.wait_limit(timeout, self.cap)
@@ -75,24 +101,6 @@ class ObservedWork(dist._Work):
         for observer, token in self.calls:
             observer.future_taken(token)
         return self.work.get_future()
-
-    def is_completed(self):
-        return self.work.is_completed()
-
-    def is_success(self):
-        return self.work.is_success()
-
-    def exception(self):
-        return self.work.exception()
-
-    def synchronize(self):
-        return self.work.synchronize()
-
-    def source_rank(self):
-        return self.work.source_rank()
-
-    def result(self):
-        return self.work.result()
 
 
 def completed(work) -> bool:

@@ -63,9 +63,9 @@ from __future__ import annotations
 import contextlib
 
 import torch
-import torch.distributed as dist
 
 from ddplab.cluster.observed import Observing, observing
+from ddplab.cluster.observed_work import ForwardingWork
 from ddplab.cluster.wrapped import payload_bytes
 from ddplab.contracts.clock import now
 
@@ -93,29 +93,17 @@ def record_launch(recorder, work, *, bucket, kind, nbytes, params=(), on_device=
     return work.get_future().then(stamp_done)
 
 
-class _StampedAtWait(dist._Work):
+class _StampedAtWait(ForwardingWork):
     """A work without a future (gloo's reduce-scatter): stamps "done" when its wait returns."""
 
     def __init__(self, work, stamp):
-        super().__init__()
-        self.work, self.stamp = work, stamp
+        super().__init__(work)
+        self.stamp = stamp
 
     def wait(self, timeout=None):
         ok = self.work.wait() if timeout is None else self.work.wait(timeout)
         self.stamp()
         return ok
-
-    def is_completed(self):
-        return self.work.is_completed()
-
-    def is_success(self):
-        return self.work.is_success()
-
-    def exception(self):
-        return self.work.exception()
-
-    def result(self):
-        return self.work.result()
 
 
 # Bytes each rank sends on a ring of p ranks, per payload byte handed to the group.
