@@ -1,7 +1,7 @@
 # ddplab: two commands to start, two to check.
 #   make lab        environment + JupyterLab opened on labs/exercises/ (gloo on CPU; GPUs when present)
 #   make test       the tests a maintainer runs often (<= 10 min on a 2-core machine), building .venv if missing
-#   make test-fast  the unit tests not marked slow (<= 90 s): one quick pass over every package
+#   make test-fast  the unit tests not marked slow or more (<= 90 s): one quick pass over every package
 #   make check      make test, then everything too long for it (<= 45 min); what CI runs
 PYTHON ?= python3
 VENV   ?= .venv
@@ -51,7 +51,7 @@ test: test-unit test-labs test-browser
 # ruff first (pyflakes, bugbear, import order; configured in pyproject.toml, pinned in constraints.txt)
 test-fast: $(STAMP)
 	$(VENV)/bin/ruff check .
-	$(call pytest_or_say_empty,-q -m "not slow" $(UNIT))
+	$(call pytest_or_say_empty,-q -m "not slow and not more" $(UNIT))
 
 test-unit: $(STAMP)
 	$(VENV)/bin/ruff check .
