@@ -38,7 +38,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import ddplab  # noqa: E402
-from ddplab.cluster import resources  # noqa: E402
+from ddplab.placement import resources  # noqa: E402
 
 MB_FLOATS = 2**20 // 4
 

@@ -47,8 +47,8 @@ def main() -> None:
     args = p.parse_args()
 
     import ddplab
-    from ddplab.cluster.resources import usable_cpus
     from ddplab.measure import RunSpec, compare, print_table
+    from ddplab.placement.resources import usable_cpus
 
     with ddplab.Cluster(args.world_size) as c:
         print(f"machine: {usable_cpus()} usable CPUs, {args.world_size} gloo ranks, "

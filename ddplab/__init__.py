@@ -4,15 +4,12 @@ Start ranks from a notebook (``Cluster``), synchronize gradients three ways
 (``average_gradients``, ``OverlapDDP``, ``BucketedDDP``), and compare them with
 torch's own DDP on recorded timelines. See README.md and labs/.
 """
-from ddplab import _moved
 from ddplab.cluster import Cluster, ClusterError, CollectiveTimeout, JobTimeout, RankDied, RankError, launch
-from ddplab.cluster.backend import backend_name, device
-from ddplab.cluster.torchrun import init_from_env
 from ddplab.course.labsetup import lab_world_size, runs_here
+from ddplab.launch.torchrun import init_from_env
+from ddplab.pg.backend import backend_name, device
 from ddplab.sync.registry import build_strategy, register_strategy, strategy_names
-from ddplab.sync.yours import as_strategy
-
-_moved.install()  # old import paths fail with a message naming the new one
+from ddplab.sync.your_code import as_strategy
 
 __version__ = "0.1.0"
 __all__ = ["Cluster", "launch", "ClusterError", "CollectiveTimeout", "JobTimeout", "RankDied",

@@ -1,7 +1,7 @@
 """A fake ``ProcessGroupNCCL`` for CPU tests: torch 2.13's NCCL contract, data moved by real gloo.
 
 There is no GPU here, so NCCL code runs against this. It keeps the contract the
-observing group (ddplab/cluster/observed.py) must live with, each point as
+observing group (ddplab/pg/group.py) must live with, each point as
 ProcessGroupNCCL.hpp/.cpp and distributed_c10d.py (torch 2.13) have it:
 
 - A blocking collective (``opts.asyncOp`` False, as c10d passes it since
@@ -40,8 +40,8 @@ API for tests, and for the recording's CUDA-event stamping (tests/_fake_cuda.py)
 - ``installed(device_count=2, gpu=0, cuda=None)``: a context manager (and
   ``install(...)``, its undo-less form for rank processes) that makes
   ``dist.ProcessGroupNCCL`` this class, sends every tensor of an observing
-  group to its NCCL half (``wrapped.on_gpu``) and names ``cuda:<gpu>`` the
-  rank's GPU (``wrapped.current_gpu``). ``cuda``: a ``_fake_cuda.Device``
+  group to its NCCL half (``inner.on_gpu``) and names ``cuda:<gpu>`` the
+  rank's GPU (``inner.current_gpu``). ``cuda``: a ``_fake_cuda.Device``
   whose streams the works use (else streams are plain labels).
 - ``FakeNCCL.instances`` (every one made), ``.ops`` ((op, blocking) in issue
   order), ``.works``, ``.env`` (the TORCH_NCCL_* settings it was made under), ``.barrier_devices``, ``.connected``, ``.shut``,
@@ -316,20 +316,20 @@ def _tensors(x):
 
 def install(device_count: int = 2, gpu: int = 0, cuda=None) -> None:
     """Make this process's NCCL the fake (for rank processes; no undo)."""
-    from ddplab.cluster import wrapped
+    from ddplab.pg import inner
 
     FakeNCCL.device_count, FakeNCCL.cuda = device_count, cuda
     dist.ProcessGroupNCCL = FakeNCCL
-    wrapped.on_gpu = lambda tensor: True
-    wrapped.current_gpu = lambda: torch.device("cuda", gpu)
+    inner.on_gpu = lambda tensor: True
+    inner.current_gpu = lambda: torch.device("cuda", gpu)
 
 
 @contextlib.contextmanager
 def installed(device_count: int = 2, gpu: int = 0, cuda=None):
     """Within the block this process's NCCL is the fake (see ``install``); state is reset."""
-    from ddplab.cluster import wrapped
+    from ddplab.pg import inner
 
-    saved = (getattr(dist, "ProcessGroupNCCL", None), wrapped.on_gpu, wrapped.current_gpu,
+    saved = (getattr(dist, "ProcessGroupNCCL", None), inner.on_gpu, inner.current_gpu,
              FakeNCCL.device_count, FakeNCCL.cuda)
     FakeNCCL.instances, FakeNCCL.swallowed, FakeNCCL.groups_ended_by_connect = [], [], 0
     FakeNCCL._thread = _Thread()
@@ -340,7 +340,7 @@ def installed(device_count: int = 2, gpu: int = 0, cuda=None):
         for pg in FakeNCCL.instances:
             if not (pg.shut or pg.aborted) and pg.gloo is not None:
                 pg.gloo.shutdown()
-        (nccl, wrapped.on_gpu, wrapped.current_gpu, FakeNCCL.device_count, FakeNCCL.cuda) = saved
+        (nccl, inner.on_gpu, inner.current_gpu, FakeNCCL.device_count, FakeNCCL.cuda) = saved
         if nccl is None:
             del dist.ProcessGroupNCCL
         else:
@@ -359,7 +359,7 @@ class HostClock:
 def host_device() -> None:
     """Fake-NCCL rank mode for suites that build models (graders, recorders, compare).
 
-    ``ddplab.cluster.backend.device()`` answers ``cpu`` (in the backend module and in every
+    ``ddplab.pg.backend.device()`` answers ``cpu`` (in the backend module and in every
     loaded ddplab module that imported the name), so models and data stay CPU tensors, and
     ``torch.cuda``'s stream and event calls are a ``_fake_cuda.Device`` on the host clock
     (the fake NCCL's works run on its streams). The group is still ``ddplab_nccl`` and every
@@ -374,7 +374,7 @@ def host_device() -> None:
 
     from _fake_cuda import Device
 
-    from ddplab.cluster import backend
+    from ddplab.pg import backend
 
     original = backend.device
 
@@ -408,7 +408,7 @@ def rejoin(store_path: str, device_count: int = 2, gpu=None, on_host=False) -> s
     The default group is remade as ``ddplab_nccl`` on a fresh FileStore at ``store_path``
     (the same on every rank); ``gpu``: this rank's GPU index (default: its rank);
     ``on_host``: also ``host_device()``."""
-    from ddplab.cluster.observed import register
+    from ddplab.pg.group import register
 
     rank, size = dist.get_rank(), dist.get_world_size()
     timeout = datetime.timedelta(seconds=30)

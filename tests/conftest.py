@@ -60,7 +60,7 @@ MORE_FILES = {
 
 
 def pytest_collection_modifyitems(config, items):
-    from ddplab.cluster.resources import visible_gpus
+    from ddplab.placement.resources import visible_gpus
 
     gpus = visible_gpus()
     for item in items:
@@ -126,7 +126,7 @@ def cluster2_short(session_cluster2_short):
 @pytest.fixture
 def gpu_world() -> int:
     """Ranks for a GPU test: one per visible GPU, at most 2."""
-    from ddplab.cluster.resources import visible_gpus
+    from ddplab.placement.resources import visible_gpus
 
     return max(1, min(2, visible_gpus()))
 

@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from ddplab.cluster import gpus
 from ddplab.course import hubconfig
 from ddplab.course.seats import NOTE_VAR, Seats
+from ddplab.placement import gpus
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import ddplab
-from ddplab.cluster import resources
+from ddplab.placement import resources
 
 
 def gone(pid: int) -> bool:

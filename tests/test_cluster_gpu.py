@@ -20,7 +20,7 @@ def _on_gpu():
     c = torch.ones(2) * (dist.get_rank() + 1)  # a CPU tensor on the same group goes through gloo
     dist.all_reduce(c)
     return (torch.cuda.current_device(), ddplab.backend_name(), str(ddplab.device()),
-            ddplab.cluster.backend.describe(), t, c)
+            ddplab.pg.backend.backend_description(), t, c)
 
 
 def test_auto_picks_nccl_with_a_gpu_per_rank_and_results_come_back_on_cpu(gpu_world):

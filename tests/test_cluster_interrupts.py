@@ -2,7 +2,7 @@
 
 Jupyter's Interrupt is SIGINT to the kernel. Instead of hoping a timer lands
 inside the right few milliseconds, each test arms the Cluster's test hook
-(``ddplab.cluster.lifecycle.point``) to send SIGINT to this process at named
+(``ddplab.cluster.lifecycle.interruption_point``) to send SIGINT to this process at named
 moments inside start, run and replacement, so every race happens on every run.
 Points in the main thread raise KeyboardInterrupt right there; points on the
 spawner thread interrupt the main thread while it waits for that operation.

@@ -228,7 +228,7 @@ def test_the_rank_side_runs_under_torchrun_without_waiting_for_a_cluster(tmp_pat
     code = f"""
 import os, threading, time
 import torch.distributed as dist
-from ddplab.cluster.observed import register
+from ddplab.pg.group import register
 register()  # what ddplab.init_from_env() joins: the observing group torch DDP is drawn from
 dist.init_process_group("ddplab_gloo", init_method="file://{tmp_path}/store", rank=0, world_size=1)
 from ddplab.measure import RunSpec

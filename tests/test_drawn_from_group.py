@@ -137,22 +137,22 @@ def _imported_name_over_a_link(nbytes):
     import torch.distributed as dist
     from torch.distributed import all_reduce  # bound before the link exists
 
-    from ddplab.cluster.observed import observed
     from ddplab.netsim.simulated import OnGroup, SimulatedLink
+    from ddplab.pg.group import observing_group
     from ddplab.sync import comm
 
     t = torch.ones(nbytes // 4)
     sub = dist.new_group([0, 1])  # a subgroup made before the link: an observing group too
     link = SimulatedLink(LinkModel(0.1, 50.0, "100 Mbit/s"), 2)
     with link, comm.using_link(link):
-        inside = sum(isinstance(o, OnGroup) for o in observed().observers)
+        inside = sum(isinstance(o, OnGroup) for o in observing_group().observers)
         t0 = time.perf_counter()
         all_reduce(t)
         linked = time.perf_counter() - t0
         t0 = time.perf_counter()
         all_reduce(t, group=sub)
         on_sub = time.perf_counter() - t0
-    after = sum(isinstance(o, OnGroup) for g in (observed(), sub) for o in g.observers)
+    after = sum(isinstance(o, OnGroup) for g in (observing_group(), sub) for o in g.observers)
     dist.destroy_process_group(sub)
     return {"linked": linked, "on_sub": on_sub, "model": link.model.allreduce_seconds(nbytes, 2),
             "inside": inside, "after": after, "sum": float(t[0])}

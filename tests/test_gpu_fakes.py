@@ -11,7 +11,7 @@ import ddplab
 
 def _as_nccl_rank():
     """On this rank, make the strict check believe gradients travel over NCCL."""
-    from ddplab.cluster import backend
+    from ddplab.pg import backend
     from ddplab.sync import comm
 
     assert comm.REQUIRE_DEVICE_GRADS
@@ -118,7 +118,7 @@ def _sparse_on_a_group_that_refuses_sparse():
     from torch import nn
 
     import ddplab
-    from ddplab.cluster import backend
+    from ddplab.pg import backend
     from ddplab.sync import comm
 
     backend.backend_name = lambda group=None: "nccl"
@@ -369,9 +369,9 @@ def test_the_reference_ring_groups_each_send_with_its_receive_for_nccl():
 
 
 def test_a_torchrun_rank_about_to_take_a_gpu_someone_holds_says_so(monkeypatch, capsys):
-    from ddplab.cluster import gpus
-    from ddplab.cluster.gpu_facts import GPU
-    from ddplab.cluster.torchrun import warn_if_taken
+    from ddplab.launch.torchrun import warn_if_taken
+    from ddplab.placement import gpus
+    from ddplab.placement.gpu_facts import GPU
 
     monkeypatch.setattr(gpus, "discover", lambda: [GPU(0, "H100", "GPU-0", 81559, 9000, (4242,)),
                                                    GPU(1, "H100", "GPU-1", 81559, 3, ())])

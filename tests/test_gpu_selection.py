@@ -4,8 +4,8 @@ GPU discovery is replaced by lists of fake GPUs, so these rules run on CPU machi
 """
 import pytest
 
-from ddplab.cluster import backend as rank_backend
-from ddplab.cluster.gpus import BUSY_MIB, GPU, discover, place, visible
+from ddplab.pg import backend as rank_backend
+from ddplab.placement.gpus import BUSY_MIB, GPU, discover, place, visible
 
 
 def _server(*users, used=None):
@@ -101,18 +101,18 @@ def test_discover_answers_on_this_machine_without_touching_cuda():
 
 def test_backend_names_read_the_device_mapped_group():
     # the ranks join through the observing group, which wraps gloo (and NCCL for CUDA tensors)
-    assert rank_backend.group_string("nccl") == "ddplab_nccl"
-    assert rank_backend.group_string("gloo") == "ddplab_gloo"
-    assert rank_backend.name_of("ddplab_nccl") == "nccl" and rank_backend.name_of("ddplab_gloo") == "gloo"
-    assert rank_backend.name_of("cpu:gloo,cuda:nccl") == "nccl"
-    assert rank_backend.name_of("cuda:nccl,cpu:gloo") == "nccl"
-    assert rank_backend.name_of("cpu:gloo") == "gloo"
-    assert rank_backend.name_of("gloo") == "gloo" and rank_backend.name_of("nccl") == "nccl"
+    assert rank_backend.init_string("nccl") == "ddplab_nccl"
+    assert rank_backend.init_string("gloo") == "ddplab_gloo"
+    assert rank_backend.gradient_backend("ddplab_nccl") == "nccl" and rank_backend.gradient_backend("ddplab_gloo") == "gloo"
+    assert rank_backend.gradient_backend("cpu:gloo,cuda:nccl") == "nccl"
+    assert rank_backend.gradient_backend("cuda:nccl,cpu:gloo") == "nccl"
+    assert rank_backend.gradient_backend("cpu:gloo") == "gloo"
+    assert rank_backend.gradient_backend("gloo") == "gloo" and rank_backend.gradient_backend("nccl") == "nccl"
 
 
 def test_doctor_lists_each_gpu_with_free_memory_and_users(monkeypatch, capsys):
     from ddplab.cli import doctor
-    from ddplab.cluster import gpus
+    from ddplab.placement import gpus
 
     fake = _server((4242,), (), (), ()) + [GPU(4, "H100", "GPU-4", 81559, 900, None)]
     monkeypatch.setattr(gpus, "discover", lambda: fake)
@@ -149,7 +149,7 @@ def test_labs_read_their_world_size_and_say_why_a_cell_skips(monkeypatch, capsys
 def test_make_test_gpu_refuses_gradients_left_on_the_cpu_of_an_nccl_rank(monkeypatch):
     import torch
 
-    from ddplab.cluster import backend
+    from ddplab.pg import backend
     from ddplab.sync import comm
 
     monkeypatch.setattr(backend, "backend_name", lambda group=None: "nccl")
@@ -272,7 +272,7 @@ def test_a_lock_held_by_another_process_counts_and_dies_with_it(tmp_path, monkey
     import subprocess
     import sys
 
-    from ddplab.cluster import gpu_locks
+    from ddplab.placement import gpu_locks
 
     monkeypatch.setenv("DDPLAB_GPU_LOCK_DIR", str(tmp_path))
     found = _server()
@@ -295,7 +295,7 @@ def test_a_lock_held_by_another_process_counts_and_dies_with_it(tmp_path, monkey
 
 
 def test_a_hub_gets_disjoint_free_gpus_for_its_learners():
-    from ddplab.cluster.gpus import assign
+    from ddplab.placement.gpus import assign
 
     found = _server((), (4242,), (), ()) + [GPU(4, "H100", "GPU-4", 81559, 3, ()),
                                              GPU(5, "H100", "GPU-5", 81559, 3, ())]

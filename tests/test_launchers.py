@@ -1,4 +1,4 @@
-"""Slurm's and Open MPI's variables, read as torchrun's (ddplab/cluster/launchers.py), and the
+"""Slurm's and Open MPI's variables, read as torchrun's (ddplab/launch/schedulers.py), and the
 batch file %ddp_export --sbatch writes (ddplab/notebook/sbatch.py).
 
 Environment dicts as srun and mpirun set them (the Slurm ones copied from a
@@ -14,9 +14,9 @@ import subprocess
 
 import pytest
 
-from ddplab.cluster import launchers
-from ddplab.cluster.launchers import TorchrunEnvError, adopt, tasks_on_node
-from ddplab.cluster.launchers import torchrun_variables as derive
+from ddplab.launch import schedulers
+from ddplab.launch.schedulers import TorchrunEnvError, adopt, tasks_on_node
+from ddplab.launch.schedulers import torchrun_variables as derive
 from ddplab.notebook import sbatch
 
 FAKE_SCONTROL = """#!/bin/sh
@@ -146,7 +146,7 @@ def test_open_mpi_ranks_win_over_the_slurm_job_around_mpirun(scontrol):
     launcher, derived = derive(env)
     assert launcher == "openmpi"
     assert derived == {"RANK": "2", "WORLD_SIZE": "4", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "2",
-                       "MASTER_ADDR": "10.1.2.3", "MASTER_PORT": str(launchers.job_port(env))}
+                       "MASTER_ADDR": "10.1.2.3", "MASTER_PORT": str(schedulers.job_port(env))}
     # alone on one machine: loopback, but mpirun has no port to give
     alone = dict(ompi, OMPI_COMM_WORLD_RANK="1", OMPI_COMM_WORLD_LOCAL_RANK="1",
                  OMPI_COMM_WORLD_SIZE="2", OMPI_COMM_WORLD_LOCAL_SIZE="2")

@@ -51,9 +51,9 @@ def two_ranks(fn, device_count=2, gpu=0, join_s=30.0):
 
 
 def observed_group(rank, store, prefix="g/", timeout=LIMIT):
-    from ddplab.cluster.observed import ObservedGroup
+    from ddplab.pg.group import ObservingGroup
 
-    return ObservedGroup(dist.PrefixStore(prefix, store), rank, 2, timeout, "cpu:gloo,cuda:nccl")
+    return ObservingGroup(dist.PrefixStore(prefix, store), rank, 2, timeout, "cpu:gloo,cuda:nccl")
 
 
 def blocking(opts_cls, **fields):
@@ -186,14 +186,14 @@ class Noting:
 
 def _blocking_calls():
     """World size 1 through ``dist.*``: c10d skips the wait when a group answers None."""
-    from ddplab.cluster.observed import observing, register
+    from ddplab.pg.group import observe, register
 
     register()
     dist.init_process_group("ddplab_nccl", store=dist.HashStore(), rank=0, world_size=1,
                             timeout=LIMIT)
     try:
         pg = dist.distributed_c10d._get_default_group()
-        with observing(Noting(timeout=5.0)) as seen:
+        with observe(Noting(timeout=5.0)) as seen:
             t = torch.ones(3)
             dist.all_reduce(t)
             dist.broadcast(t, 0)
@@ -226,7 +226,7 @@ def _hung(rank, store):
                           phase="forward", backwards=0, _in_backward=False, _seq=0,
                           _launches_in_step=0, _last_hook_t=None)
     t0 = time.monotonic()
-    with g.observing(watch):
+    with g.observe(watch):
         try:
             g.allreduce([torch.ones(3)], blocking(AllreduceOptions)).wait()  # dist.all_reduce
         except Stalled as exc:
@@ -241,8 +241,8 @@ def test_a_hang_on_cuda_tensors_is_named_by_the_grader_within_its_limit():
 
 
 def test_nccls_timeout_text_counts_as_timed_out_for_the_ring_and_the_grader():
-    from ddplab.cluster.wrapped import timed_out
     from ddplab.lessons.ring import P2PStalled, P2PWatch
+    from ddplab.pg.inner import timed_out
 
     nccl = dist.DistBackendError("[PG ID 0 PG GUID 0 Rank 0] Watchdog caught collective operation "
                                  "timeout: WorkNCCL(SeqNum=3, OpType=SEND, Timeout(ms)=500) ran for "
@@ -312,7 +312,7 @@ def test_a_barrier_runs_on_the_ranks_gpu_not_on_a_guessed_one():
 
 # -- divergence 5: no rank kept with unfinished NCCL work ---------------------------------------
 def _unfinished(rank, store):
-    from ddplab.cluster import observed
+    from ddplab.pg import group
 
     g = observed_group(rank, store)
     if rank == 1:
@@ -322,18 +322,19 @@ def _unfinished(rank, store):
     opts = AllreduceOptions()
     opts.asyncOp = True
     work = g.allreduce([torch.ones(1)], opts)  # rank 1 joins only later
-    pending = g.unfinished(grace_s=0.1), observed.unfinished_device_work(grace_s=0.1)
+    pending = g.unfinished(grace_s=0.1), group.unfinished_device_work(grace_s=0.1)
     work.wait()
-    return pending, g.unfinished(grace_s=0.1), observed.unfinished_device_work(grace_s=0.1)
+    return pending, g.unfinished(grace_s=0.1), group.unfinished_device_work(grace_s=0.1)
 
 
 def test_a_rank_with_unfinished_nccl_work_is_not_kept():
     from ddplab.cluster import diagnosis
+    from ddplab.pg.group import UNFINISHED_GPU_WORK
 
     ((pending, state), after, state_after), _ = two_ranks(_unfinished)
-    assert pending == 1 and state == {diagnosis.UNFINISHED: (1,)}  # worker.group_state's entry
+    assert pending == 1 and state == {UNFINISHED_GPU_WORK: (1,)}  # worker.group_state's entry
     assert after == 0 and state_after == {}
-    groups = {0: {"default": (4,), diagnosis.UNFINISHED: (1,)}, 1: {"default": (4,)}}
+    groups = {0: {"default": (4,), UNFINISHED_GPU_WORK: (1,)}, 1: {"default": (4,)}}
     reason = diagnosis.replace_reason({1: {"type": "ValueError"}}, set(), groups, [])
     assert reason and "had not finished on the GPU" in reason
 
@@ -353,7 +354,7 @@ def test_an_op_on_another_group_is_not_swallowed_into_an_open_block():
 
 
 def _stall_in_waiting(rank, store):
-    from ddplab.cluster import wrapped
+    from ddplab.pg import p2p_blocks
 
     class Refuses(Noting):
         def waiting(self, token):
@@ -361,11 +362,11 @@ def _stall_in_waiting(rank, store):
 
     g = observed_group(rank, store)
     peer = 1 - rank
-    with g.observing(Refuses()):
+    with g.observe(Refuses()):
         posted = g.send([torch.ones(2)], peer, 0) if rank == 0 else g.recv([torch.zeros(2)], peer, 0)
         with pytest.raises(RuntimeError, match="no partner"):
             posted.wait()
-    left_open = len(wrapped._open_blocks())
+    left_open = len(p2p_blocks.open_blocks())
     later = g.allreduce([torch.ones(1)], blocking(AllreduceOptions))
     later.wait()
     return left_open, list(FakeNCCL.swallowed)

@@ -46,10 +46,10 @@ def _spellings():
     import torch.distributed as dist
     from torch.distributed import all_reduce, distributed_c10d
 
-    from ddplab.cluster.observed import observing
+    from ddplab.pg.group import observe
 
     peer = 1 - dist.get_rank()
-    with observing(Noting()) as seen:
+    with observe(Noting()) as seen:
         t = torch.ones(2)
         all_reduce(t)                                   # imported before anyone could patch it
         distributed_c10d.all_reduce(torch.ones(3))
@@ -115,7 +115,7 @@ def _counts():
 
 def test_counts_equal_plain_gloo(cluster):
     for gloo, ours, kind in cluster.run(_counts):
-        assert kind == "ObservedGroup"
+        assert kind == "ObservingGroup"
         assert gloo == ours and gloo > 10
 
 
@@ -123,14 +123,14 @@ def _ddp_buckets():
     import torch
     import torch.distributed as dist
 
-    from ddplab.cluster.observed import observing
+    from ddplab.pg.group import observe
 
     torch.manual_seed(0)
     net = torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(6)])
     ddp = torch.nn.parallel.DistributedDataParallel(net, bucket_cap_mb=0.03)
     per_iteration = []
     for _ in range(3):
-        with observing(Noting()) as seen:
+        with observe(Noting()) as seen:
             ddp(torch.randn(8, 64)).sum().backward()
         per_iteration.append([n[0] for op, n, _ in seen.ops if op == "all_reduce"])
     data = ddp._get_ddp_logging_data()
@@ -161,13 +161,13 @@ def _stall():
     import torch
     import torch.distributed as dist
 
-    from ddplab.cluster.observed import observing
+    from ddplab.pg.group import observe
 
     if dist.get_rank() == 1:
         time.sleep(3)  # never joins: rank 0 waits alone
         return None
     t0 = time.monotonic()
-    with observing(ShortWait()):
+    with observe(ShortWait()):
         dist.all_reduce(torch.ones(1))
     return time.monotonic() - t0
 
@@ -203,11 +203,11 @@ def test_ranks_that_issued_the_same_collectives_are_kept(cluster):
 def _not_observed():
     import torch.distributed as dist
 
-    from ddplab.cluster.observed import observing
+    from ddplab.pg.group import observe
 
     plain = dist.new_group(backend="gloo")
     try:
-        with observing(Noting(), plain):
+        with observe(Noting(), plain):
             pass
     except RuntimeError as exc:
         return str(exc)

@@ -1,6 +1,6 @@
 """Coalesced all-gathers and reduce-scatters through the observing group on gloo, which has
 no ``*_coalesced`` of them: ``DTensor.full_tensor()`` of a ``fully_shard`` parameter makes one
-(ddplab.cluster.observed issues them one by one there)."""
+(ddplab.pg.group issues them one by one there)."""
 from __future__ import annotations
 
 
@@ -9,7 +9,7 @@ def _full_tensors():
     import torch.distributed as dist
     from torch.distributed.fsdp import fully_shard
 
-    from ddplab.cluster.observed import observed
+    from ddplab.pg.group import observing_group
 
     torch.manual_seed(0)  # the same model on every rank: the full weights are known here
     model = torch.nn.Sequential(torch.nn.Linear(5, 3), torch.nn.Linear(3, 2))
@@ -19,7 +19,7 @@ def _full_tensors():
     fully_shard(model)
     got = [p.full_tensor() for p in model.parameters()]
     out = [torch.equal(g, w) for g, w in zip(got, want)]
-    return {"equal": out, "observed": observed() is not None,
+    return {"equal": out, "observed": observing_group() is not None,
             "backend": dist.get_backend(), "local_rows": [p.to_local().shape[0] for p in model.parameters()]}
 
 

@@ -17,14 +17,14 @@ import pytest
 
 import ddplab
 from ddplab.cluster.errors import RankError
-from ddplab.cluster.wrapped import START_UP_S, startup_timeout
+from ddplab.pg.inner import START_UP_S, startup_timeout
 
 LATE = textwrap.dedent("""
     import json, os, time
     cfg = os.environ.get("DDPLAB_WORKER")
     mark = os.environ.get("LATE_TEST_MARK")
     if cfg and mark:
-        import ddplab.cluster.backend as backend
+        import ddplab.pg.backend as backend
         rank, real = json.loads(cfg)["rank"], backend.init_group
 
         def init_group(*args, **kwargs):
@@ -115,15 +115,15 @@ def test_the_nccl_half_gets_the_collective_timeout_and_groups_its_point_to_point
     import torch.distributed as dist
     from _fake_nccl import FakeNCCL, installed
 
-    from ddplab.cluster.observed import ObservedGroup
-    from ddplab.cluster.wrapped import CoalescedP2P
+    from ddplab.pg.group import ObservingGroup
+    from ddplab.pg.p2p_blocks import CoalescedP2P
 
     with installed():
-        group = ObservedGroup(dist.HashStore(), 0, 1, datetime.timedelta(seconds=3),
+        group = ObservingGroup(dist.HashStore(), 0, 1, datetime.timedelta(seconds=3),
                               "cpu:gloo,cuda:nccl")
         group.shutdown()
     assert isinstance(group.cuda, FakeNCCL) and group.getBackendName() == "ddplab_nccl"
     assert group.cuda.options._timeout == datetime.timedelta(seconds=3)  # the watchdog's limit
     assert isinstance(group.p2p, CoalescedP2P) and group.p2p.backend is group.cuda
-    gloo_only = ObservedGroup(dist.HashStore(), 0, 1, datetime.timedelta(seconds=3), "gloo")
+    gloo_only = ObservingGroup(dist.HashStore(), 0, 1, datetime.timedelta(seconds=3), "gloo")
     assert gloo_only.cuda is None and gloo_only.p2p is None

@@ -4,7 +4,7 @@ NCCL runs point-to-point calls that must progress together only when they are on
 group; ``batch_isend_irecv`` groups them for torch's own groups but hands the observing
 group its ops one by one. The observing group therefore opens a coalescing block on
 its NCCL half at the first send or recv and closes it when something waits
-(``ddplab.cluster.wrapped.CoalescedP2P``). No GPU here: a fake NCCL stands in, which,
+(``ddplab.pg.p2p_blocks.CoalescedP2P``). No GPU here: a fake NCCL stands in, which,
 like NCCL, launches nothing before the block ends (it then hands the ops to the real
 gloo group), so a ring whose sends and recvs were not grouped would show it.
 
@@ -20,8 +20,8 @@ import torch.distributed as dist
 
 from ddplab import checks
 from ddplab.checks import ring as R
-from ddplab.cluster.wrapped import BlockWork, CoalescedP2P, route
 from ddplab.lessons import ring
+from ddplab.pg.p2p_blocks import BlockWork, CoalescedP2P, issue_on_inner
 
 
 @pytest.fixture
@@ -80,8 +80,8 @@ def test_sends_and_recvs_go_out_as_one_group_when_someone_waits():
     fake = FakeNCCL()
     block = CoalescedP2P(fake)
     t, u = torch.ones(2), torch.zeros(2)
-    send = route(block, "send", fake, lambda b: b.send([t], 1, 0), [t])
-    recv = route(block, "recv", fake, lambda b: b.recv([u], 2, 0), [u])
+    send = issue_on_inner(block, "send", fake, lambda b: b.send([t], 1, 0), [t])
+    recv = issue_on_inner(block, "recv", fake, lambda b: b.recv([u], 2, 0), [u])
     assert isinstance(send, BlockWork) and fake.groups == []  # nothing launched yet
     recv.wait()
     assert fake.groups == [[("send", 1), ("recv", 2)]]
@@ -94,12 +94,12 @@ def test_a_blocking_send_is_a_group_of_its_own_and_collectives_close_the_block()
     fake = FakeNCCL()
     block = CoalescedP2P(fake)
     t = torch.ones(2)
-    route(block, "send", fake, lambda b: b.send([t], 1, 0), [t]).wait()  # dist.send
-    route(block, "recv", fake, lambda b: b.recv([t], 2, 0), [t]).wait()  # dist.recv
+    issue_on_inner(block, "send", fake, lambda b: b.send([t], 1, 0), [t]).wait()  # dist.send
+    issue_on_inner(block, "recv", fake, lambda b: b.recv([t], 2, 0), [t]).wait()  # dist.recv
     assert fake.groups == [[("send", 1)], [("recv", 2)]]
-    route(block, "send", fake, lambda b: b.send([t], 1, 0), [t])  # an isend, not waited yet
+    issue_on_inner(block, "send", fake, lambda b: b.send([t], 1, 0), [t])  # an isend, not waited yet
     called = []
-    route(block, "all_reduce", fake, lambda b: called.append("all_reduce"), [t])
+    issue_on_inner(block, "all_reduce", fake, lambda b: called.append("all_reduce"), [t])
     # the open block went to NCCL first: ops reach it in the order they were called
     assert fake.groups[-1] == [("send", 1)] and called == ["all_reduce"]
     assert [c for c, _ in fake.calls] == ["start", "end"] * 3
@@ -116,16 +116,16 @@ def test_the_fake_has_the_signatures_of_torchs_backend_binding():
 
 def test_a_gloo_only_group_issues_each_op_alone():
     issued = []
-    work = route(None, "send", "gloo", lambda b: issued.append(b) or "work", [torch.ones(1)])
+    work = issue_on_inner(None, "send", "gloo", lambda b: issued.append(b) or "work", [torch.ones(1)])
     assert work == "work" and issued == ["gloo"]
 
 
 def ring_under_fake_nccl():
     """On each rank: the observing group's NCCL half replaced by FakeNCCL over its gloo half."""
-    from ddplab.cluster.observed import observed
-    from ddplab.cluster.wrapped import CoalescedP2P
+    from ddplab.pg.group import observing_group
+    from ddplab.pg.p2p_blocks import CoalescedP2P
 
-    pg = observed()
+    pg = observing_group()
     fake = FakeNCCL(pg.cpu)
     pg.p2p, pg._backend = CoalescedP2P(fake), (lambda tensors: fake)
     try:

@@ -29,8 +29,8 @@ BACKWARD_S = 0.010  # the kernels between the two layers' gradients
 
 @pytest.fixture
 def gpu(monkeypatch, tmp_path):
-    from ddplab.cluster.observed import register
     from ddplab.measure import recording
+    from ddplab.pg.group import register
 
     clock = Clock()
     dev = Device(clock)

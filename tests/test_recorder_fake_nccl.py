@@ -40,7 +40,7 @@ def _rejoin(path):
 def _device_and_backend():
     import torch.distributed as dist
 
-    from ddplab.cluster.backend import backend_name, device
+    from ddplab.pg.backend import backend_name, device
 
     return str(device()), backend_name(), str(dist.get_backend())
 

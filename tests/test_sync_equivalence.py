@@ -74,7 +74,7 @@ def test_buffers_are_broadcast_at_every_forward_even_inside_no_sync(cluster2, st
 def test_torch_ddp_skips_the_buffer_broadcast_after_a_no_sync_forward(cluster2):
     # A measured difference, kept visible: torch 2.x broadcasts buffers at a
     # forward only if the previous forward synchronized gradients. ddplab's
-    # wrappers broadcast at every forward (see ddplab/sync/_common.py). If
+    # wrappers broadcast at every forward (see ddplab/sync/wrapper_duties.py). If
     # this starts failing, torch changed and the docstring must follow.
     synced = cluster2.run(H.buffer_sync_per_forward, "ddp", "nnss")
     assert synced[1] == [True, False, False, True]

@@ -52,10 +52,11 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from gpu_check_judge import DEVICE_SOURCES, bucket_records, device_durations, judge_transfers, pytest_figure  # noqa: F401 - the checks' names, public here too
+
 ROOT = Path(__file__).resolve().parents[1]
 BUDGET_S = 480
 GPU_VENV = ROOT / ".venv-gpu"
-DEVICE_SOURCES = ("cuda_event", "nccl_timing")  # ddplab.timeline.records.SOURCES measured on the device
 # The packages ddplab, its labs and its GPU tests need beside torch (pyproject: dependencies + [gpu]).
 REQUIREMENTS = ("numpy", "cloudpickle", "ipywidgets", "plotly", "anywidget", "pytest", "pytest-timeout",
                 "nbval", "nbclient", "nbformat", "ipykernel", "jupyter_client", "pyyaml")
@@ -81,63 +82,6 @@ PLAN = [
 ]
 
 
-# -- checks on what the steps wrote (plain JSON: tested on CPU with made-up records) ------------
-def bucket_records(doc) -> list:
-    """Every per-bucket record in a saved JSON document (a compare result, a recorded run):
-    the dicts that carry ``comm_end`` and ``sources``, wherever they are nested."""
-    found = []
-    stack = [doc]
-    while stack:
-        x = stack.pop()
-        if isinstance(x, dict):
-            if "comm_end" in x and "sources" in x:
-                found.append(x)
-            else:
-                stack.extend(x.values())
-        elif isinstance(x, list):
-            stack.extend(x)
-    return found
-
-
-def device_durations(records) -> list:
-    """Seconds each bucket's transfer took on the device: comm_end - (comm_start or launch), for
-    the records whose end was timed on the device (a CUDA event or NCCL's own timing)."""
-    out = []
-    for r in records:
-        if r.get("sources", {}).get("comm_end") not in DEVICE_SOURCES:
-            continue
-        start = r.get("comm_start") if r.get("comm_start") is not None else r.get("launch")
-        if start is not None and r.get("comm_end") is not None:
-            out.append(r["comm_end"] - start)
-    return out
-
-
-def judge_transfers(doc, *, need_after_ready: bool) -> tuple[bool, str]:
-    """(passed, figure): some device-timed buckets, each longer than zero (and, for a recorded
-    run, ending after its gradients were ready)."""
-    records = bucket_records(doc)
-    timed = [r for r in records if r.get("sources", {}).get("comm_end") in DEVICE_SOURCES]
-    if not timed:
-        sources = sorted({str(r.get("sources", {}).get("comm_end")) for r in records})
-        return False, f"no device-timed bucket among {len(records)} (comm_end sources: {sources})"
-    durations = device_durations(timed)
-    zero = sum(1 for d in durations if not d > 0)
-    early = [r for r in timed if need_after_ready and r.get("grads_ready") is not None
-             and not r["comm_end"] > r["grads_ready"]]
-    figure = (f"{len(timed)} device-timed buckets, min {min(durations) * 1e3:.3f} ms"
-              if durations else f"{len(timed)} device-timed buckets, none with a start")
-    if zero or early or not durations:
-        return False, figure + f"; {zero} of zero length, {len(early)} ending before ready"
-    return True, figure
-
-
-def pytest_figure(text: str) -> str:
-    """pytest's last summary line, shortened: '9 passed, 1 skipped in 42s'."""
-    lines = [ln.strip("= ") for ln in text.splitlines() if re.search(r"\d+ (passed|failed|error)", ln)]
-    return lines[-1] if lines else "no pytest summary"
-
-
-# -- running the steps ---------------------------------------------------------------------------
 class Runner:
     def __init__(self, python: str, out: Path | None, work: Path, budget_s: float):
         self.python, self.out, self.work = python, out, work

@@ -40,7 +40,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from gpu_check import ROOT, Runner, Step, install, pytest_figure  # noqa: E402
+from gpu_check import ROOT, Runner, Step, install  # noqa: E402
+from gpu_check_judge import judge_transfers, pytest_figure  # noqa: E402
 from gpu_check_steps import judge_trace  # noqa: E402
 
 PLAN = [
@@ -177,7 +178,6 @@ def main(argv=None) -> int:
     def record(limit):
         rc, _ = runner.sh([py(), "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(n),
                            "examples/record_my_run.py", "--out", str(work / "run")], limit)
-        from gpu_check import judge_transfers
 
         if rc != 0 or not (work / "run.json").exists():
             return False, f"torchrun exited {rc}"

@@ -11,7 +11,9 @@ import re
 import shutil
 from pathlib import Path
 
-from gpu_check import DEVICE_SOURCES, ROOT, judge_transfers, pytest_figure
+from gpu_check_judge import DEVICE_SOURCES, judge_transfers, pytest_figure
+
+ROOT = Path(__file__).resolve().parents[1]
 
 # A planted hang on CUDA, run by the hang step in a fresh process: lab 06's grader gets a
 # learner's agreed_steps whose all-reduce is queued behind a long GPU sleep, on a Cluster of one

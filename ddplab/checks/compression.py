@@ -34,8 +34,8 @@ from __future__ import annotations
 from ddplab.checks import graders
 from ddplab.checks.mistakes import NOT_IMPLEMENTED, RAISED, CheckFailed
 from ddplab.cluster.errors import RankError
-from ddplab.cluster.observed import Observing
-from ddplab.cluster.wrapped import payload_bytes
+from ddplab.pg.group import ObserverBase
+from ddplab.pg.inner import payload_bytes
 
 NOT_A_FUTURE = "the hook did not return a future"
 LIST_FUTURE = "the future's value is a list (a Work's future), not the bucket tensor"
@@ -78,13 +78,13 @@ def _on_rank(hook, bucket_cap_mb):
     import torch.nn.functional as F
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from ddplab.cluster.backend import device
     from ddplab.lessons.common import wide_batch, wide_net
     from ddplab.lessons.compression import exact_mean_grads, relative_error
+    from ddplab.pg.backend import device
 
     rank, world = dist.get_rank(), dist.get_world_size()
     seen = {"buckets": 0, "bucket_bytes": 0, "sent_bytes": 0, "mistake": None, "detail": ""}
-    from ddplab.cluster.observed import observing
+    from ddplab.pg.group import observe
 
     def flag(mistake, detail):
         if seen["mistake"] is None:
@@ -94,7 +94,7 @@ def _on_rank(hook, bucket_cap_mb):
         buffer = bucket.buffer()
         seen["buckets"] += 1
         seen["bucket_bytes"] += buffer.numel() * buffer.element_size()
-        with observing(_InHook(seen)):  # what the group is handed while the hook runs
+        with observe(_InHook(seen)):  # what the group is handed while the hook runs
             fut = hook(state, bucket)
         if not isinstance(fut, torch._C.Future):
             flag(NOT_A_FUTURE, f"bucket {bucket.index()}: the hook returned {type(fut).__name__}.")
@@ -137,7 +137,7 @@ def _on_rank(hook, bucket_cap_mb):
     return seen
 
 
-class _InHook(Observing):
+class _InHook(ObserverBase):
     """Installed on the rank's process group while the hook runs: the bytes of its
     all-reduces, and a wait for one of them before the hook returned (no overlap then)."""
 

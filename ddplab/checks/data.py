@@ -118,7 +118,7 @@ def stats_on_rank(fn):
     import torch
     import torch.distributed as dist
 
-    from ddplab.cluster.backend import device
+    from ddplab.pg.backend import device
 
     rank, p = dist.get_rank(), dist.get_world_size()
     x = _rank_batch(rank).to(device())
@@ -152,7 +152,7 @@ def check_batch_stats(cluster, fn, *, timeout: float = 30.0) -> list:
     try:
         per_rank = cluster.run_job(stats_on_rank, (fn,), job_timeout=timeout)
     except RankError as err:
-        raise graders._from_rank_error(err) from None
+        raise graders.from_rank_error(err) from None
     if any(f.get("not_implemented") for f in per_rank):
         raise CheckFailed(NOT_IMPLEMENTED, "your function raised NotImplementedError.")
 

@@ -57,8 +57,8 @@ def pass_right_on_rank(fn, cfg: dict) -> dict:
     import torch
     import torch.distributed as dist
 
-    from ddplab.cluster.backend import device
     from ddplab.lessons import ring as R
+    from ddplab.pg.backend import device
 
     rank, p = dist.get_rank(), dist.get_world_size()
     out: dict = {"rank": rank, "p": p}

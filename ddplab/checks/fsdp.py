@@ -28,8 +28,8 @@ import itertools
 from ddplab.checks import graders
 from ddplab.checks.mistakes import CheckFailed
 from ddplab.cluster.errors import RankError
-from ddplab.cluster.observed import Observing, observing
-from ddplab.cluster.wrapped import payload_bytes
+from ddplab.pg.group import ObserverBase, observe
+from ddplab.pg.inner import payload_bytes
 
 NOT_GATHERED = "the gathered weight is this rank's shard only"
 PADDING_LEFT = "the gathered weight still holds the padding"
@@ -68,7 +68,7 @@ graders.TITLES.setdefault("fsdp", "FSDP gather and reduce-scatter")
 SHAPE = (5, 7)  # 35 elements: padded at 2 and at 3 ranks
 
 
-class _Bytes(Observing):
+class _Bytes(ObserverBase):
     def __init__(self):
         self.nbytes, self.ops = 0, []
 
@@ -95,7 +95,7 @@ def _on_rank(gather_full, reduce_scatter_grad):
     padded = F.pad(weight.reshape(-1), (0, n * ws - 35))
     shard = padded[rank * n:(rank + 1) * n].clone()
     seen = _Bytes()
-    with observing(seen):
+    with observe(seen):
         full = gather_full(shard.clone(), 35, SHAPE)
     full = None if full is None else torch.as_tensor(full).detach()
     if not _close(full, weight):
@@ -118,7 +118,7 @@ def _on_rank(gather_full, reduce_scatter_grad):
     flat = [F.pad(g.reshape(-1), (0, n * ws - 35)) for g in grads]
     total = torch.stack(flat).double().sum(0)
     seen = _Bytes()
-    with observing(seen):
+    with observe(seen):
         mine = reduce_scatter_grad(grads[rank].clone())
     mine = None if mine is None else torch.as_tensor(mine).detach().reshape(-1)
     answer = (total / ws)[rank * n:(rank + 1) * n]
@@ -178,7 +178,7 @@ def check_fsdp_collectives(cluster, gather_full, reduce_scatter_grad):
     try:
         worst = cluster.run(_on_rank, gather_full, reduce_scatter_grad)
     except RankError as err:
-        raise graders._from_rank_error(err) from None
+        raise graders.from_rank_error(err) from None
     graders.passed["fsdp"] = True
     print(f"FSDP gather and reduce-scatter: passed. Correct on {cluster.world_size} ranks (a weight of "
           f"35 elements, padded), and two training steps inside FSDP equal the reference "

@@ -76,10 +76,10 @@ def _run(cluster, exercise: str, learner, cfg: dict, draw: bool) -> CheckResult:
 
     passed[exercise] = False
     try:
-        per_rank = cluster.run_job(on_rank.grade, (exercise, learner, cfg),
+        per_rank = cluster.run_job(on_rank.grade_exercise, (exercise, learner, cfg),
                                    job_timeout=2 * cfg["hang_s"] + 10)
     except RankError as err:
-        raise _from_rank_error(err) from None
+        raise from_rank_error(err) from None
     try:
         diagnose(exercise, per_rank, cfg)
     except CheckFailed as failed:
@@ -92,7 +92,7 @@ def _run(cluster, exercise: str, learner, cfg: dict, draw: bool) -> CheckResult:
     return result
 
 
-def _from_rank_error(err: RankError) -> Exception:
+def from_rank_error(err: RankError) -> Exception:
     exceptions = {r: e for r, e in err.exceptions.items() if e is not None}
     failed = {r: e for r, e in exceptions.items() if isinstance(e, CheckFailed)}
     if failed:

@@ -31,12 +31,12 @@ import torch.distributed as dist
 from ddplab.checks import workload as W
 from ddplab.checks.mistakes import NOT_IMPLEMENTED, RAISED, CheckFailed
 from ddplab.checks.watch import Stalled, Watch
-from ddplab.cluster.wrapped import timed_out
+from ddplab.pg.inner import timed_out
 from ddplab.timeline.clock import estimate_offsets
 from ddplab.timeline.recorder import Recorder
 
 
-def call(where: str, fn, *args):
+def run_learner_code(where: str, fn, *args):
     """Run learner code; its own errors become a CheckFailed that says where."""
     try:
         return fn(*args)
@@ -56,7 +56,7 @@ def call(where: str, fn, *args):
         raise CheckFailed(RAISED, f"{where} raised {type(exc).__name__}: {exc}{hint}", frames) from None
 
 
-def classify(got, mean, local, world_size) -> dict:
+def classify_gradients(got, mean, local, world_size) -> dict:
     """Each parameter's gradient after sync: ok / local / scaled / local_scaled / missing / wrong."""
     out = {}
     for name, ref in mean.items():
@@ -107,7 +107,7 @@ class Grading:
     def end(self, step, model, got, mean, local):
         facts = self.watch.step_facts(step)
         facts["first_backward"] = self.first_backward
-        facts["grads"] = classify(got, mean, local, self.world)
+        facts["grads"] = classify_gradients(got, mean, local, self.world)
         params = W.flat_params(model)
         self.params.append(params)
         gathered = [torch.zeros_like(params) for _ in range(self.world)]
@@ -162,7 +162,7 @@ def grade_function(fn, cfg) -> dict:
             loss.backward()
         g.watch.phase = "after backward"
         with g.watch.installed(), g.rec.phase("wait"):
-            call("your function", fn, model)
+            run_learner_code("your function", fn, model)
         got = _grads(model)
         with g.rec.phase("step"):
             opt.step()
@@ -178,7 +178,7 @@ def grade_wrapper(cls, cfg) -> dict:
     inner = W.graded_model(W.SEED + rank)  # a different start on every rank
     g = Grading(cfg, inner)
     with g.watch.installed():
-        model = call("your class's __init__", cls, inner, *cfg.get("args", ()))
+        model = run_learner_code("your class's __init__", cls, inner, *cfg.get("args", ()))
     start_gap = float((W.flat_params(inner) - W.flat_params(W.graded_model(W.SEED))).abs().max())
     opt = torch.optim.SGD(inner.parameters(), lr=W.LR)
     finish = getattr(model, "finish_gradient_synchronization", None)
@@ -189,14 +189,14 @@ def grade_wrapper(cls, cfg) -> dict:
         opt.zero_grad()
         with g.watch.installed():
             with g.rec.phase("forward"):
-                loss = W.loss_fn(call("your forward", model, x), y)
+                loss = W.loss_fn(run_learner_code("your forward", model, x), y)
             g.watch.phase = "backward"
             with g.rec.phase("backward"):
-                call("backward (your hooks)", loss.backward)
+                run_learner_code("backward (your hooks)", loss.backward)
             g.watch.phase = "after backward"
             if callable(finish):
                 with g.rec.phase("wait"):
-                    call("your finish_gradient_synchronization", finish)
+                    run_learner_code("your finish_gradient_synchronization", finish)
         got = _grads(inner)
         with g.rec.phase("step"):
             opt.step()
@@ -230,7 +230,7 @@ def grade_accumulation(fn, cfg) -> dict:
         stepped.clear()
         g.begin(step)
         with g.watch.installed(), g.rec.phase("backward"):
-            call("your function", fn, model, opt, batches)
+            run_learner_code("your function", fn, model, opt, batches)
         got = stepped[0] if stepped else _grads(inner)
         g.end(step, inner, got, mean, local)
         g.steps[-1]["optimizer_steps"] = len(stepped)
@@ -242,6 +242,6 @@ GRADERS = {"average_gradients": grade_function, "overlap": grade_wrapper,
            "bucketed": grade_wrapper, "no_sync": grade_accumulation}
 
 
-def grade(exercise: str, learner, cfg: dict) -> dict:
+def grade_exercise(exercise: str, learner, cfg: dict) -> dict:
     """The job every rank runs for one check."""
     return GRADERS[exercise](learner, cfg)

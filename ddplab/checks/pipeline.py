@@ -78,7 +78,7 @@ def _grade_on_rank(fn, batch_size: int, hang_s: float, dtype: str = "float64", t
             "expected_bytes": batch_size * P.HIDDEN * torch.empty((), dtype=dt).element_size()}
 
 
-def _from_rank_error(err: RankError) -> Exception:
+def from_rank_error(err: RankError) -> Exception:
     from ddplab.checks.graders import raised
     from ddplab.cluster.errors import RankDied
 
@@ -169,7 +169,7 @@ def check_pipeline_step(cluster, fn, *, batch_size: int = 6, timeout: float = 5.
             per_rank = cluster.run_job(_grade_on_rank, (fn, batch_size, float(timeout), dtype,
                                                         uuid.uuid4().hex), job_timeout=2 * timeout + 10)
         except RankError as err:
-            raise _from_rank_error(err) from None
+            raise from_rank_error(err) from None
         try:
             diagnose(per_rank)
         except CheckFailed:

@@ -216,7 +216,7 @@ def rebuilt_buckets_on_rank(cases, steps: int = 3) -> list:
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from ddplab.cluster.backend import device
+    from ddplab.pg.backend import device
 
     out = []
     g = torch.Generator().manual_seed(dist.get_rank())

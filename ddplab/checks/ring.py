@@ -114,8 +114,8 @@ def grade_on_rank(fn, cfg: dict) -> list:
     import torch
     import torch.distributed as dist
 
-    from ddplab.cluster.backend import device
     from ddplab.lessons import ring as R
+    from ddplab.pg.backend import device
 
     rank, p = dist.get_rank(), dist.get_world_size()
     cases = []
@@ -196,7 +196,7 @@ def check_ring_all_reduce(cluster, fn, *, lengths=(10, 1001), timeout: float = 5
                           "elements than the tensor's (or an irecv buffer too short). The ranks "
                           "were replaced.") from None
     except RankError as err:
-        raise graders._from_rank_error(err) from None
+        raise graders.from_rank_error(err) from None
     try:
         summary = diagnose(per_rank, backend or getattr(cluster, "backend", "gloo"))
     except CheckFailed as failed:

@@ -45,7 +45,7 @@ def _grade_on_rank(fn, tag: str) -> dict:
     import torch.distributed as dist
     from torch import nn
 
-    from ddplab.cluster.observed import observing
+    from ddplab.pg.group import observe
     from ddplab.sync.core.sharded_optimizer import ShardedOptimizer
     from ddplab.timeline.op_bytes import OpBytes
 
@@ -68,7 +68,7 @@ def _grade_on_rank(fn, tag: str) -> dict:
             m.zero_grad(set_to_none=True)
             nn.functional.mse_loss(m(x), y).backward()  # the gradient DDP would leave
         before = torch.cat([p.detach().reshape(-1).clone() for p in params])
-        with observing(OpBytes()) as counted:
+        with observe(OpBytes()) as counted:
             try:
                 fn(local, params, owner)
             except NotImplementedError:

@@ -4,7 +4,7 @@ Teaches what can be known about gradient synchronization code WITHOUT
 reading it: every collective reaches the rank's process group, however the
 code spells it (``dist.all_reduce``, a name imported earlier,
 ``distributed_c10d.*``, a Work's ``wait()`` or future, torch DDP's reducer).
-The ranks' group is the observing one (``ddplab.cluster.observed``), and
+The ranks' group is the observing one (``ddplab.pg.group``), and
 while the learner's code runs this watch is installed on it as an observer
 that notes
 
@@ -43,8 +43,8 @@ import contextlib
 import torch
 import torch.distributed as dist
 
-from ddplab.cluster.observed import observing
-from ddplab.cluster.wrapped import timed_out
+from ddplab.pg.group import observe
+from ddplab.pg.inner import timed_out
 from ddplab.timeline.clock import now
 
 
@@ -106,7 +106,7 @@ class Watch:
         stack = contextlib.ExitStack()
         groups = [None] if self.group in (None, dist.group.WORLD) else [None, self.group]
         for group in groups:
-            stack.enter_context(observing(self, group))
+            stack.enter_context(observe(self, group))
         return stack
 
     @property

@@ -14,8 +14,8 @@ from __future__ import annotations
 import os
 import platform
 
-from ddplab.cluster import gpus as gpu_info
-from ddplab.cluster import resources
+from ddplab.placement import gpus as gpu_info
+from ddplab.placement import resources
 
 
 def ranks_on_machine() -> dict[int, int]:

@@ -34,7 +34,7 @@ def collect_answers(ranks, job_id: int, job_timeout, gens, pending=None, on_disp
     pending = set(range(ranks.world_size)) if pending is None else pending
     start = time.monotonic()
     grace_end = None
-    lifecycle.point("run:collecting")
+    lifecycle.interruption_point("run:collecting")
     while pending:
         gens.out.show()
         now = time.monotonic()

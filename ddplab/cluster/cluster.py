@@ -49,12 +49,13 @@ import threading
 import time
 import weakref
 
-from ddplab.cluster import diagnosis, lifecycle, resources, subset
-from ddplab.cluster import gpus as gpu_placement
+from ddplab.cluster import diagnosis, lifecycle, subset
 from ddplab.cluster.answers import GRACE_S, collect_answers  # noqa: F401 - GRACE_S kept importable here
 from ddplab.cluster.errors import ClusterError, CollectiveTimeout, JobTimeout, RankDied, RankError
 from ddplab.cluster.generations import Generations
 from ddplab.cluster.process import RankProcesses
+from ddplab.placement import gpus as gpu_placement
+from ddplab.placement import resources
 
 _live: "weakref.WeakSet[Cluster]" = weakref.WeakSet()
 
@@ -113,7 +114,7 @@ class Cluster:
         task = self._gens.pending = lifecycle.spawner.submit(fn, *args)
         try:
             if point:
-                lifecycle.point(point)
+                lifecycle.interruption_point(point)
             return task.wait()
         finally:
             self._gens.out.show()
@@ -252,10 +253,10 @@ class Cluster:
                         except OSError:
                             pass  # that rank died just now: collect_answers sees its end
                         if rank == min(targets):
-                            lifecycle.point("run:sent")
+                            lifecycle.interruption_point("run:sent")
                     outcome = collect_answers(ranks, job_id, job_timeout, self._gens,
                                               self.running["pending"], self.on_display)
-                    lifecycle.point("run:collected")
+                    lifecycle.interruption_point("run:collected")
                     ranks.drain()  # what the job printed belongs to this call, not the next one
                 finally:
                     self.running = None

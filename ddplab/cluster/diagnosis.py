@@ -35,8 +35,6 @@ from __future__ import annotations
 
 import signal
 
-UNFINISHED = "unfinished GPU work"  # worker.group_state's entry for NCCL works not yet ended
-
 _SIGNAL_WORDS = {"SIGSEGV": "segmentation fault", "SIGKILL": "killed, e.g. by the out-of-memory "
                  "killer or kill -9", "SIGABRT": "aborted", "SIGBUS": "bus error",
                  "SIGFPE": "arithmetic error", "SIGTERM": "terminated"}
@@ -109,7 +107,9 @@ def replace_reason(failures: dict, pending: set, groups: dict, timed_out: list) 
         return "A rank process died, and its peers' process group with it."
     if timed_out:
         return "A collective timed out, which leaves the process group unusable."
-    unfinished = sorted(r for r, s in groups.items() if s and s.get(UNFINISHED))
+    from ddplab.pg.group import UNFINISHED_GPU_WORK  # here, not at the top: the kernel never imports torch for it
+
+    unfinished = sorted(r for r, s in groups.items() if s and s.get(UNFINISHED_GPU_WORK))
     if unfinished:
         return (f"NCCL work issued on rank(s) {unfinished} had not finished on the GPU (a blocking "
                 "op returns before it runs), so the next job would queue behind it.")

@@ -79,7 +79,7 @@ class Generations:
                               self.threads, self.env, self.out.queue, lifecycle.lifeline_fd(),
                               self.gpus)
         try:
-            lifecycle.point("start:spawned")
+            lifecycle.interruption_point("start:spawned")
             said = StartProgress(self.world_size, self.backend, t0)
             first = ranks.wait_ready(deadline=t0 + max(60.0, self.timeout) + 30.0, progress=said)
         except BaseException:
@@ -107,7 +107,7 @@ class Generations:
 
     def replace(self) -> float:
         self.stop(graceful=False)
-        lifecycle.point("replace:stopped")
+        lifecycle.interruption_point("replace:stopped")
         return self.start()
 
     def close(self, graceful: bool) -> list[int] | None:

@@ -14,7 +14,7 @@ Teaches: two Linux facts a launcher inside a notebook kernel must respect.
   *waiting*, the operation still finishes, and the next call finds the
   cluster in a known state (see ``Task.wait``).
 
-Tests reach the races through ``point(name)``: the Cluster calls it at named
+Tests reach the races through ``interruption_point(name)``: the Cluster calls it at named
 moments inside start, run and replacement, and a test hook can deliver SIGINT
 exactly there, so each race happens on every run instead of by chance.
 
@@ -32,10 +32,10 @@ import os
 import queue
 import threading
 
-_test_hook = None  # tests set a callable(name); see point()
+_test_hook = None  # tests set a callable(name); see interruption_point()
 
 
-def point(name: str) -> None:
+def interruption_point(name: str) -> None:
     """A named moment inside start, run or replacement (for tests; no-op otherwise)."""
     hook = _test_hook
     if hook is not None:

@@ -116,8 +116,8 @@ def error_info(exc: BaseException, skip_frames: int = 1, elapsed: float = 0.0) -
 
 def _in_collective(filename: str) -> bool:
     path = filename.replace(os.sep, "/")
-    return "torch/distributed/" in path or path.endswith(("ddplab/cluster/observed.py",
-                                                          "ddplab/cluster/observed_work.py"))
+    return "torch/distributed/" in path or path.endswith(("ddplab/pg/group.py",
+                                                          "ddplab/pg/works.py"))
 
 
 def group_state() -> dict | None:
@@ -144,7 +144,7 @@ def group_state() -> dict | None:
             if not seqs:  # the observing group (observed.py) has no backend: it counts itself
                 seqs.append(pg._get_sequence_number_for_group())
             state[name] = tuple(seqs)
-        from ddplab.cluster.observed import unfinished_device_work
+        from ddplab.pg.group import unfinished_device_work
 
         state.update(unfinished_device_work())  # on a GPU equal counts do not prove work ended
         return state
@@ -178,8 +178,8 @@ def _init_group(cfg: dict) -> None:
     import torch
     import torch.distributed as dist
 
-    from ddplab.cluster.backend import init_group
-    from ddplab.cluster.wrapped import startup_timeout
+    from ddplab.pg.backend import init_group
+    from ddplab.pg.inner import startup_timeout
 
     torch.set_num_threads(cfg["threads"])
     # A fresh file in a mode-0700 directory: no listener, nothing another user can open.
@@ -212,7 +212,7 @@ except OSError:
     _LIBC = None
 
 
-def _flush_output() -> None:
+def flush_output() -> None:
     """Push the job's output into the pipes (Python's and C's stdio) before its
     result is sent, so the kernel finds all of it there once the result arrives."""
     sys.stdout.flush()
@@ -230,10 +230,10 @@ def _run_job(chan: _Channel, job_id: int, job: bytes) -> None:
         fn, args, kwargs = cloudpickle.loads(job)
         result = to_cpu(fn(*args, **kwargs))
     except BaseException as exc:  # noqa: BLE001 - everything goes back to the kernel
-        _flush_output()
+        flush_output()
         chan.send(("err", job_id, error_info(exc, 1, time.monotonic() - t0), group_state()))
         return
-    _flush_output()
+    flush_output()
     try:
         data = cloudpickle.dumps(("ok", job_id, result, group_state()))
     except Exception as exc:  # the job ran fine; only its value cannot travel

@@ -48,7 +48,7 @@ class Link(Protocol):
 
 
 class Observer(Protocol):
-    """What the observing process group (ddplab.cluster.observed) tells an observer.
+    """What the observing process group (ddplab.pg.group) tells an observer.
 
     ``launched(op, tensors, group, peer)`` before the op is handed to the real
     backend (``peer``: the other rank of a send/recv, else None); it returns a

@@ -134,7 +134,7 @@ def gpus_per_learner(args) -> int:
         if args.gpus_per_learner < 0:
             raise ValueError("--gpus-per-learner must be 0 or more")
         return args.gpus_per_learner
-    from ddplab.cluster.gpus import discover
+    from ddplab.placement.gpus import discover
 
     return 2 if discover() else 0
 

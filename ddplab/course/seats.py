@@ -12,7 +12,7 @@ gets a *seat*:
   (``resources.usable_cpus`` reads the mask) divides the learner's share, not
   the whole machine.
 
-Which GPUs: :func:`ddplab.cluster.gpus.place`, the same function every
+Which GPUs: :func:`ddplab.placement.gpus.place`, the same function every
 ``Cluster`` calls, asked for ``gpus_per_learner`` GPUs among those that no other
 seat holds. It skips GPUs that another process uses (nvidia-smi's compute
 apps, or memory in use where pids are hidden), so a GPU held by a job outside
@@ -37,7 +37,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from ddplab.cluster import gpus as gpu_placement
+from ddplab.placement import gpus as gpu_placement
 
 NOTE_VAR = "DDPLAB_SEAT_NOTE"
 

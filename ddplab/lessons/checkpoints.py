@@ -69,7 +69,7 @@ def resume_on_rank(path: str, total: int = 6, stop: int = 3, save_optimizer: boo
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from ddplab.cluster.backend import device
+    from ddplab.pg.backend import device
 
     def fresh():
         model = DDP(_model().to(device()))
@@ -109,7 +109,7 @@ def dcp_on_rank(directory: str) -> dict:
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
 
-    from ddplab.cluster.backend import device
+    from ddplab.pg.backend import device
 
     model = _model().to(device())
     dcp.save({"model": model.state_dict()}, checkpoint_id=directory)  # every rank takes part
@@ -133,7 +133,7 @@ def bn_buffers_on_rank(sync: bool, steps: int = 3) -> dict:
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from ddplab.cluster.backend import device
+    from ddplab.pg.backend import device
 
     rank = dist.get_rank()
     torch.manual_seed(0)
@@ -183,7 +183,7 @@ def syncbn_on_gpu_rank() -> dict:
     import torch
     import torch.distributed as dist
 
-    from ddplab.cluster.backend import device
+    from ddplab.pg.backend import device
 
     rank, p = dist.get_rank(), dist.get_world_size()
     g = torch.Generator().manual_seed(rank)

@@ -27,8 +27,8 @@ import contextlib
 import torch
 import torch.nn.functional as F
 
-from ddplab.cluster.backend import backend_name, device
 from ddplab.lessons.common import tiny_batch, tiny_net
+from ddplab.pg.backend import backend_name, device
 
 
 def _grads(model):

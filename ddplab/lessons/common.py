@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ddplab.cluster.backend import device
+from ddplab.pg.backend import device
 
 
 def tiny_net(seed=0, dtype=torch.float64):

@@ -31,8 +31,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ddplab.cluster.backend import device
 from ddplab.lessons.common import wide_batch, wide_net
+from ddplab.pg.backend import device
 from ddplab.sync import comm
 
 

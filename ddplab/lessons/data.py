@@ -66,7 +66,7 @@ def ddp_step_on_rank(per_rank_batch: int, lr: float) -> list:
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from ddplab.cluster.backend import device
+    from ddplab.pg.backend import device
 
     rank, p = dist.get_rank(), dist.get_world_size()
     x, y = (t.to(device()) for t in _linear_data(0, per_rank_batch * p))

@@ -37,7 +37,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ddplab.cluster.observed import Observing
+from ddplab.pg.group import ObserverBase
 from ddplab.sync import comm
 
 D_IN, HIDDEN, D_OUT = 64, 256, 10
@@ -85,7 +85,7 @@ class P2PCounter:
 def p2p_counting(recv_timeout_s: float | None = None, tag: str | None = None):
     """Within the block, every send and recv on this rank's process group is counted.
 
-    Counted at the observing process group (``ddplab.cluster.observed``), so
+    Counted at the observing process group (``ddplab.pg.group``), so
     ``dist.send``, an ``isend`` imported before the block and ``batch_isend_irecv``
     are all seen, with nothing patched; a work still unwaited at the end is counted
     in ``unwaited``.
@@ -101,14 +101,14 @@ def p2p_counting(recv_timeout_s: float | None = None, tag: str | None = None):
     """
     import torch.distributed as dist
 
-    from ddplab.cluster.observed import observing
+    from ddplab.pg.group import observe
 
     store = dist.distributed_c10d._get_default_store() if tag else None
-    with observing(_P2PWatch(P2PCounter(), recv_timeout_s, tag, store)) as watch:
+    with observe(_P2PWatch(P2PCounter(), recv_timeout_s, tag, store)) as watch:
         yield watch.counter
 
 
-class _P2PWatch(Observing):
+class _P2PWatch(ObserverBase):
     """The observer behind ``p2p_counting``: counts, notes and checks sends and recvs."""
 
     def __init__(self, counter, recv_timeout_s, tag, store):

@@ -231,11 +231,11 @@ def rebuild_on_rank(steps: int = 3, bucket_cap_mb: float = 0.004) -> dict:
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from ddplab.cluster.backend import device
-    from ddplab.cluster.observed import Observing, observing
+    from ddplab.pg.backend import device
+    from ddplab.pg.group import ObserverBase, observe
     from ddplab.sync import BucketedDDP, core
 
-    class AllReduces(Observing):  # what the group was handed: sizes, in launch order
+    class AllReduces(ObserverBase):  # what the group was handed: sizes, in launch order
         def __init__(self):
             self.sizes = []
 
@@ -262,7 +262,7 @@ def rebuild_on_rank(steps: int = 3, bucket_cap_mb: float = 0.004) -> dict:
         order.clear()
         x = torch.randn(16, 8, generator=g).to(device())
         for name, model_ in (("ddp", ddp), ("full", ours), ("core", reference)):
-            with observing(AllReduces()) as seen:
+            with observe(AllReduces()) as seen:
                 model_(x).square().mean().backward()
             launched[name].append(seen.sizes)
         ready.append(list(order))

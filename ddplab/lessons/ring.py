@@ -21,7 +21,7 @@ makes that group (it coalesces a batch for torch's own NCCL groups); an
 ``isend`` or ``irecv`` called alone is an NCCL op of its own, which
 ProcessGroupNCCL started with ``device_id`` (eager init) serializes with every
 other op on the group, warning that it does. ``watch_p2p`` observes every send and recv
-through the observing group (``ddplab.cluster.observed``), however they are
+through the observing group (``ddplab.pg.group``), however they are
 spelled, counts them, notes a wait made before the other half of the exchange
 was posted and a send or recv issued outside ``batch_isend_irecv``, and stops a wait that finds no partner after ``timeout`` seconds
 with a message instead of hanging. ``send_waits_on_rank`` measures
@@ -90,7 +90,7 @@ def send_waits_on_rank(delay_s: float = 0.5, numel: int = 1) -> dict:
     import torch
     import torch.distributed as dist
 
-    from ddplab.cluster.backend import backend_name, device
+    from ddplab.pg.backend import backend_name, device
 
     t = torch.ones(numel, device=device())
     rank = dist.get_rank()
@@ -193,7 +193,7 @@ class P2PLog:
 
 
 class P2PWatch:
-    """An observer of the observing group (``ddplab.cluster.observed``) that pairs sends and recvs.
+    """An observer of the observing group (``ddplab.pg.group``) that pairs sends and recvs.
 
     Every send and recv reaches the group, however it was called (``dist.send``, an
     imported ``isend``, ``P2POp`` in ``batch_isend_irecv``). Each side leaves a note in the
@@ -205,7 +205,7 @@ class P2PWatch:
 
     def __init__(self, log: P2PLog, store, prefix: str, rank: int, timeout: float):
         self.log, self.store, self.prefix, self.rank = log, store, prefix, rank
-        self.timeout = timeout  # also caps the real wait (ObservedGroup.wait_limit)
+        self.timeout = timeout  # also caps the real wait (ObservingGroup.wait_limit)
         self.count: dict = {}  # (src, dst) -> messages posted so far on that pair
 
     def key(self, src, dst, n, what):
@@ -270,7 +270,7 @@ class P2PWatch:
             return
         if token.pop("waited", False):
             self.log.unfinished += 1  # the real wait failed: still posted
-        from ddplab.cluster.wrapped import timed_out
+        from ddplab.pg.inner import timed_out
 
         if timed_out(exc):  # gloo's words or NCCL's
             raise P2PStalled(token["op"], token["peer"], self.timeout) from None
@@ -309,12 +309,12 @@ def watch_p2p(timeout: float = 10.0, tag: str | None = None):
     """
     import torch.distributed as dist
 
-    from ddplab.cluster.observed import observing
+    from ddplab.pg.group import observe
 
     global _CALLS
     _CALLS += 1  # every rank enters in the same order, so the default tags agree
     store = dist.distributed_c10d._get_default_store()
     log = P2PLog()
     watch = P2PWatch(log, store, f"ddplab-p2p/{tag or _CALLS}", dist.get_rank(), timeout)
-    with observing(watch):
+    with observe(watch):
         yield log

@@ -26,8 +26,8 @@ def record_on_rank(model="transformer", batch=None, loss=None, bucket_cap_mb=Non
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     import ddplab
-    from ddplab.cluster.backend import device
     from ddplab.measure import models
+    from ddplab.pg.backend import device
 
     if steps < 4:
         raise ValueError(f"steps={steps}: record at least 4 (iteration 0 is torch's one-bucket "

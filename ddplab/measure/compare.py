@@ -92,7 +92,7 @@ def run_on_rank(spec: RunSpec, strategies: dict | None = None) -> dict:
     from ddplab.timeline.clock import estimate_offsets
 
     _wait_for_start_up_imports()
-    from ddplab.cluster.backend import backend_name
+    from ddplab.pg.backend import backend_name
 
     rank, world, backend = dist.get_rank(), dist.get_world_size(), backend_name()
     entries = [(strategies or {}).get(n) or get_strategy(n) for n in spec.strategies]
@@ -163,7 +163,7 @@ def compare(cluster=None, strategies=RunSpec.strategies, steps: int = RunSpec.st
 
 def run_labels(spec: RunSpec, entries: dict, cluster, clock: dict, per_rank) -> dict:
     """The run's facts, decided once: every table, figure and JSON reads these."""
-    from ddplab.cluster.resources import usable_cpus
+    from ddplab.placement.resources import usable_cpus
 
     note = None
     if any(s.shape in ("buckets", "torch_ddp") for s in entries.values()):

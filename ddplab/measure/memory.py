@@ -172,8 +172,8 @@ def measure_rank(row: str, make_model=default_model, optimizer_cls=torch.optim.A
 
     import torch.distributed as dist
 
-    from ddplab.cluster.backend import device
-    from ddplab.cluster.observed import observed, observing
+    from ddplab.pg.backend import device
+    from ddplab.pg.group import observe, observing_group
     from ddplab.timeline.op_bytes import OpBytes
 
     dev = device()
@@ -187,12 +187,12 @@ def measure_rank(row: str, make_model=default_model, optimizer_cls=torch.optim.A
         g = torch.Generator().manual_seed(dist.get_rank())
         sent = OpBytes()  # what the last step handed the group, where it is an observing one
         for i in range(steps):
-            last = i == steps - 1 and observed() is not None
+            last = i == steps - 1 and observing_group() is not None
             x = torch.randn(batch, width, generator=g).to(dev)
             if dev.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(dev)
             counter.reset_peak()
-            with observing(sent) if last else contextlib.nullcontext():
+            with observe(sent) if last else contextlib.nullcontext():
                 opt.zero_grad(set_to_none=True)
                 trained(x).square().mean().backward()
                 if hasattr(trained, "finish_gradient_synchronization"):  # ddplab's FSDP

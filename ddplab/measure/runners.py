@@ -37,8 +37,8 @@ import time
 
 import torch
 
-from ddplab.cluster.observed import observed
 from ddplab.measure import workload
+from ddplab.pg.group import observing_group
 from ddplab.sync import comm
 from ddplab.timeline.on_group import GroupRecorder
 from ddplab.timeline.recorder import Recorder
@@ -62,8 +62,8 @@ class StrategyRunner:
         strategy = get_strategy(strategy)
         self.name = strategy.name + (TRACED_SUFFIX if traced else "")
         self.spec, self.rank = spec, rank
-        # NCCL: each rank owns the GPU the Cluster selected for it (cluster/backend.py).
-        from ddplab.cluster.backend import device
+        # NCCL: each rank owns the GPU the Cluster selected for it (pg/backend.py).
+        from ddplab.pg.backend import device
 
         self.device = device()
         base = workload.build_model(spec.model, spec.seed, spec.model_kwargs).to(self.device)
@@ -84,11 +84,11 @@ class StrategyRunner:
             self.watch = GroupRecorder(rec, base.parameters())
         self.built = strategy(base, **options)
         self.watch = self.built.tracer or self.watch
-        if self.watch is not None and observed() is None:
+        if self.watch is not None and observing_group() is None:
             raise RuntimeError(
                 f"{self.name} is drawn from the observing process group, and this rank's group "
                 "is a plain one: start the ranks with ddplab.init_from_env() under torchrun (or "
-                "init_process_group('ddplab_gloo') after ddplab.cluster.observed.register()), "
+                "init_process_group('ddplab_gloo') after ddplab.pg.group.register()), "
                 "or use a ddplab.Cluster")
         self.model = self.built.model
         self.opt = (self.built.optimizer or torch.optim.SGD)(self.model.parameters(), lr=spec.lr)
@@ -142,10 +142,10 @@ class StrategyRunner:
         if self.built.optimizer is None:
             yield None
             return
-        from ddplab.cluster.observed import observing
+        from ddplab.pg.group import observe
         from ddplab.timeline.op_bytes import OpBytes
 
-        with observing(OpBytes()) as counted:
+        with observe(OpBytes()) as counted:
             yield counted
 
     def _split_at_last_gradient(self, end: dict) -> None:
@@ -187,7 +187,7 @@ def _full_parameters(model) -> list:
     """The model's full parameters on every rank, also where each rank holds a shard:
     ddplab's FSDP gathers them itself; a DTensor of torch's fully_shard gathers with
     ``full_tensor()`` (on gloo the observing group issues its coalesced all-gather one
-    tensor at a time: ddplab.cluster.observed)."""
+    tensor at a time: ddplab.pg.group)."""
     if hasattr(model, "full_parameters"):
         return list(model.full_parameters().values())
     return [(p.full_tensor() if hasattr(p, "full_tensor") else p).detach()

@@ -94,7 +94,7 @@ def scaling(world_sizes=(1, 2, 4), strategy: str = "bucketed", global_batch: int
     ``progress``: print one line per world size as it finishes (each starts its own ranks).
     """
     from ddplab.cluster import Cluster
-    from ddplab.cluster.resources import usable_cpus
+    from ddplab.placement.resources import usable_cpus
 
     if 1 not in world_sizes:
         world_sizes = (1, *world_sizes)

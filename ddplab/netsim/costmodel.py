@@ -71,8 +71,8 @@ def measure_allreduce(sizes_bytes=(2**12, 2**16, 2**18, 2**20, 2**22, 2**23), re
     import torch
     import torch.distributed as dist
 
-    from ddplab.cluster.backend import device
     from ddplab.contracts.clock import now
+    from ddplab.pg.backend import device
 
     where = device(group)
     settle = torch.cuda.synchronize if where.type == "cuda" else (lambda: None)

@@ -11,7 +11,7 @@ Nothing ever sleeps inside an autograd hook.
 Install with ``ddplab.sync.comm.using_link(SimulatedLink(model, world_size))``
 on every rank (a ``with`` block), ``close()`` the link afterwards (its clock
 thread then ends), and label every result "simulated". On a rank of the
-observing process group (``ddplab.cluster.observed``, every Cluster rank) the
+observing process group (``ddplab.pg.group``, every Cluster rank) the
 link is installed on the observing groups themselves (``on_group``): every
 all-reduce, broadcast and all-gather on them is delayed, whoever makes it,
 torch DDP's C++ reducer and a learner's code included. Other ops (reduce-scatter,
@@ -40,10 +40,10 @@ import threading
 
 import torch
 
-from ddplab.cluster.observed import Observing
-from ddplab.cluster.wrapped import payload_bytes
 from ddplab.contracts.clock import now
 from ddplab.netsim.link import LinkModel, LinkQueue
+from ddplab.pg.group import ObserverBase
+from ddplab.pg.inner import payload_bytes
 
 
 class SimulatedWork:
@@ -180,7 +180,7 @@ class SimulatedLink:
         self._clock.stop()
 
     def on_group(self) -> "OnGroup":
-        """This link as an observer of the observing process group (``group.observing(...)``)."""
+        """This link as an observer of the observing process group (``group.observe(...)``)."""
         return OnGroup(self)
 
     def __enter__(self):
@@ -195,7 +195,7 @@ class SimulatedLink:
 LINKED_OPS = ("all_reduce", "broadcast", "all_gather", "all_gather_into_tensor")
 
 
-class OnGroup(Observing):
+class OnGroup(ObserverBase):
     """An observer (``ddplab.contracts.protocols.Observer``) that sends the group's
     collectives over ``link``: each returned work completes no earlier than the model says."""
 

@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import re
 
+from ddplab.notebook import ddpcell
+
 _DOTTED = re.compile(r"[A-Za-z_][\w.]*$")
 LIMIT = 500
 
@@ -70,13 +72,11 @@ def describe_on_rank(expr: str, namespace: dict, detail: int = 0) -> str | None:
 
 # -- kernel side ---------------------------------------------------------------
 def _ask_rank0(magics, fn, *args):
-    from ddplab.notebook.magics import RANK_NAMESPACE
-
     cluster = magics.cluster
-    if cluster is None or cluster.running is not None or cluster.pids != magics._pids:
+    if cluster is None or cluster.running is not None or cluster.pids != magics.cluster_pids:
         return None
     try:
-        return cluster.run_job(fn, (*args[:1], RANK_NAMESPACE, *args[1:]), ranks=[0], show_ranks=())[0]
+        return cluster.run_job(fn, (*args[:1], ddpcell.RANK_NAMESPACE, *args[1:]), ranks=[0], show_ranks=())[0]
     except Exception:
         return None
 

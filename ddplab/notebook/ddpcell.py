@@ -153,9 +153,23 @@ def display(*objs, include=None, exclude=None, metadata=None, raw=False, **kwarg
         if worker.channel is None or worker.job_id is None:  # not on a Cluster rank
             print(shown["data"].get("text/plain", ""))
             continue
-        worker._flush_output()  # what the rank printed before comes first
+        worker.flush_output()  # what the rank printed before comes first
         worker.channel.send(("display", worker.job_id, shown))
 
 
 def _clear_output(wait=False):
     """A rank cannot clear the kernel's cell; its displays are shown once each."""
+
+
+class RankNamespace:
+    """Stands for ``ddplab.cluster.worker.namespace``: it becomes that dict when a
+    rank unpickles it, so ``exec``, ``eval`` and ``dict.update`` can be sent as
+    they are and no wrapper frame shows up in a cell's traceback."""
+
+    def __reduce__(self):
+        from ddplab.cluster import worker
+
+        return getattr, (worker, "namespace")
+
+
+RANK_NAMESPACE = RankNamespace()  # what %%ddp cells send for the rank's namespace

@@ -52,20 +52,7 @@ from IPython.core.magic_arguments import argument, magic_arguments, parse_argstr
 
 from ddplab.cluster import Cluster, RankError
 from ddplab.notebook import completion, ddpcell, export, rankview, sbatch
-
-
-class _RankNamespace:
-    """Stands for ``ddplab.cluster.worker.namespace``: it becomes that dict when a
-    rank unpickles it, so ``exec``, ``eval`` and ``dict.update`` can be sent as
-    they are and no wrapper frame shows up in a cell's traceback."""
-
-    def __reduce__(self):
-        from ddplab.cluster import worker
-
-        return getattr, (worker, "namespace")
-
-
-RANK_NAMESPACE = _RankNamespace()
+from ddplab.notebook.ddpcell import RANK_NAMESPACE
 
 
 def _rank_list(text: str) -> set[int]:
@@ -96,7 +83,7 @@ class DDPMagics(Magics):
         super().__init__(shell)
         self.cluster: Cluster | None = None
         self.recording: export.Recording | None = None
-        self._pids: list[int] = []  # the ranks the recording and the names belong to
+        self.cluster_pids: list[int] = []  # the ranks the recording and the names belong to
         self._backend = "auto"
         self._filenames: set[str] = set()
         self._shown_ranks = None  # the running cell's --ranks
@@ -143,13 +130,13 @@ class DDPMagics(Magics):
     def _prepare_ranks(self) -> None:
         """Fresh ranks (first start, or replaced after a failure): define the
         names cells rely on and start a new recording, since state is gone."""
-        from ddplab.cluster import torchrun
+        from ddplab.launch import torchrun
 
         cluster = self.cluster
         cluster.run(torchrun.publish_names, RANK_NAMESPACE)
         cluster.run(ddpcell.prepare)
         cluster.on_display = self._show_display
-        self._pids = cluster.pids
+        self.cluster_pids = cluster.pids
         self.recording = export.Recording(cluster.world_size, self._backend, cluster.timeout)
 
     def _show_display(self, rank: int, payload: dict) -> None:
@@ -159,7 +146,7 @@ class DDPMagics(Magics):
         cluster = self._need_cluster()
         # ensure_ready replaces ranks that died while idle now, so that the names
         # cells rely on are defined on the new ones before the cell runs.
-        if cluster.ensure_ready() != self._pids:  # replaced after a failure, or just now
+        if cluster.ensure_ready() != self.cluster_pids:  # replaced after a failure, or just now
             self._prepare_ranks()
         self._shown_ranks = show_ranks
         try:
@@ -204,7 +191,7 @@ class DDPMagics(Magics):
             values = self._run(ddpcell.run_cell, (body, last, RANK_NAMESPACE), args.timeout, args.ranks,
                                ranks=args.on)
         except RankError as exc:
-            if self.cluster.pids == self._pids:  # ranks kept: note the gap in the recording
+            if self.cluster.pids == self.cluster_pids:  # ranks kept: note the gap in the recording
                 self.recording.add_left_out(filename, str(exc).splitlines()[0])
             raise
         if cell.strip():

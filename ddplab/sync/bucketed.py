@@ -84,12 +84,12 @@ from __future__ import annotations
 import torch
 
 from ddplab.sync import comm
-from ddplab.sync._common import GradSyncModule
 from ddplab.sync.bucket import Bucket
 from ddplab.sync.comm_hooks import check_hook, run_hook
 from ddplab.sync.layout import Caps, initial_layout, rebuilds, rebuilt_layout
 from ddplab.sync.sparse import SparseBucket, sparse_parameter_ids
 from ddplab.sync.unused_policy import unused_policy
+from ddplab.sync.wrapper_duties import GradSyncModule
 
 
 class BucketedDDP(GradSyncModule):

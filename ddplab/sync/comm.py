@@ -43,10 +43,10 @@ from collections import Counter
 import torch
 import torch.distributed as dist
 
-from ddplab.cluster import backend as rank_backend
-from ddplab.cluster.wrapped import payload_bytes
 from ddplab.contracts.clock import now
 from ddplab.contracts.protocols import EventRecorder  # noqa: F401 - what recorders look like
+from ddplab.pg import backend as rank_backend
+from ddplab.pg.inner import payload_bytes
 from ddplab.sync.links import link, link_on, link_paused, set_link, using_link  # noqa: F401 - set_link, using_link: ddplab.sync.comm's names
 from ddplab.timeline.on_group import record_launch
 
@@ -214,7 +214,7 @@ def all_reduce(tensor: torch.Tensor, group=None, async_op: bool = False, *, op=N
     nbytes = payload_bytes(tensor)  # for a sparse tensor, this rank's indices and values
     _count(kind, nbytes, bucket)
     if tensor.is_sparse and _nccl(group):  # NCCL has no sparse all-reduce: gather instead
-        from ddplab.sync.sparse import all_reduce_by_gather
+        from ddplab.sync.sparse_gather import all_reduce_by_gather
 
         if op not in (None, dist.ReduceOp.SUM):
             raise ValueError(f"a sparse all-reduce on an NCCL rank can only SUM, not {op}")

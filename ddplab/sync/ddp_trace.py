@@ -2,7 +2,7 @@
 
 Teaches: torch DDP is not a black box. Its C++ reducer hands each bucket's
 all-reduce to the process group, and on a ddplab rank that group is the
-observing one (``ddplab.cluster.observed``). So DDP is drawn exactly as it
+observing one (``ddplab.pg.group``). So DDP is drawn exactly as it
 runs: no comm hook, nothing patched, its own C++ path (the default
 all-reduce, divided before it is sent). ``DDPTracer`` is the
 ``ddplab.timeline.on_group.GroupRecorder`` for one DDP model, plus two facts

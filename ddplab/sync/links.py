@@ -2,7 +2,7 @@
 
 Teaches: a simulated network must delay every transfer of a run, whoever makes
 it, or the comparison is unfair. On a rank of the observing process group
-(``ddplab.cluster.observed``: every Cluster rank and ``ddplab.init_from_env``) the
+(``ddplab.pg.group``: every Cluster rank and ``ddplab.init_from_env``) the
 link (``ddplab.netsim.simulated.SimulatedLink``) goes on the group itself as an
 observer, ``OnGroup``: torch DDP's C++ reducer, the reference reducers and a
 learner's code all pay it, with no comm hook and nothing patched. On a group
@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import contextlib
 
-from ddplab.cluster.observed import LIVE, observed
 from ddplab.contracts.protocols import Link
+from ddplab.pg.group import LIVE, observing_group
 
 # ----------------------------------------------------------------------------
 # ddplab.netsim is installed here, and only here.
@@ -68,7 +68,7 @@ def link():
 
 def link_on(group) -> bool:
     """Does the installed link already sit on ``group`` (so it delays this work itself)?"""
-    pg = observed(group)
+    pg = observing_group(group)
     return any(g is pg for g, _ in _on_groups)
 
 
@@ -78,7 +78,7 @@ def link_paused(group):
     leaves them undelayed on this thread, and ``ddplab.sync.comm`` delays their result once,
     for the transfer's bytes."""
     with contextlib.ExitStack() as stack:
-        pg = observed(group)
+        pg = observing_group(group)
         for g, observer in _on_groups:
             if g is pg:
                 stack.enter_context(observer.paused())

@@ -37,7 +37,7 @@ import torch
 from torch import nn
 
 from ddplab.sync import comm
-from ddplab.sync._common import require_process_group, source_rank
+from ddplab.sync.wrapper_duties import require_process_group, source_rank
 
 
 def _grads(model: nn.Module):

@@ -59,7 +59,7 @@ import torch
 import torch.distributed as dist
 
 from ddplab.sync import comm
-from ddplab.sync._common import GradSyncModule
+from ddplab.sync.wrapper_duties import GradSyncModule
 
 
 class OverlapDDP(GradSyncModule):

@@ -16,10 +16,9 @@ or a dense one for such a parameter, is an error that says which.
 
 On NCCL ranks: NCCL has no sparse all-reduce (torch's
 ``ProcessGroupNCCL::allreduce_sparse`` raises "NCCL does not support
-all_reduce with sparse tensors"), so ``all_reduce_by_gather`` does what
-gloo does inside its own: every rank all-gathers the others' indices and
-values (dense tensors, which NCCL moves) and adds them up. The choke point
-sends sparse tensors there on NCCL ranks.
+all_reduce with sparse tensors"), so the choke point sends sparse tensors to
+``ddplab.sync.sparse_gather.all_reduce_by_gather``, which does what gloo does
+inside its own all-reduce.
 
 Leaves out, compared with torch: comm hooks on sparse buckets (refused by
 ``register_comm_hook``), ``gradient_as_bucket_view`` for them (a sparse
@@ -113,49 +112,3 @@ class SparseBucket:
 
     def missing(self) -> list:
         return [] if self.ready_slots[0] else [self.names[0]]
-
-
-class FinishedWork:
-    """A ``Work`` whose collective has already run (``wait()`` returns at once)."""
-
-    def __init__(self, tensor):
-        self.future = torch.futures.Future()
-        self.future.set_result([tensor])
-
-    def wait(self, timeout=None) -> bool:
-        return True
-
-    def get_future(self):
-        return self.future
-
-    def is_completed(self) -> bool:
-        return True
-
-
-def all_reduce_by_gather(tensor, group=None) -> FinishedWork:
-    """SUM-all-reduce the sparse ``tensor`` in place with dense all-gathers (for NCCL)."""
-    import torch.distributed as dist
-
-    world = dist.get_world_size(group)
-    mine = tensor.coalesce()
-    idx, vals = mine._indices(), mine._values()
-    # The lengths first: the blocks are padded to the longest, and only the real part counts.
-    n = torch.tensor([idx.shape[1]], dtype=torch.int64, device=idx.device)
-    counts = [torch.zeros_like(n) for _ in range(world)]
-    dist.all_gather(counts, n, group=group)
-    counts = [int(c.item()) for c in counts]  # a host sync, as in gloo's sparse all-reduce
-    most = max(counts)
-    padded_idx = idx.new_zeros((idx.shape[0], most))
-    padded_idx[:, :idx.shape[1]] = idx
-    padded_vals = vals.new_zeros((most,) + tuple(vals.shape[1:]))
-    padded_vals[:vals.shape[0]] = vals
-    all_idx = [torch.empty_like(padded_idx) for _ in range(world)]
-    all_vals = [torch.empty_like(padded_vals) for _ in range(world)]
-    dist.all_gather(all_idx, padded_idx, group=group)
-    dist.all_gather(all_vals, padded_vals, group=group)
-    total = torch.sparse_coo_tensor(torch.cat([a[:, :c] for a, c in zip(all_idx, counts)], 1),
-                                    torch.cat([v[:c] for v, c in zip(all_vals, counts)]),
-                                    tuple(mine.shape), device=idx.device).coalesce()
-    with torch.no_grad():
-        tensor.copy_(total)  # in place, as gloo's sparse all-reduce leaves it
-    return FinishedWork(tensor)

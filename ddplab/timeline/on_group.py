@@ -2,7 +2,7 @@
 
 Teaches: a timeline of gradient synchronization needs no cooperation from the
 code that synchronizes. Every all-reduce reaches the rank's process group
-(``ddplab.cluster.observed``), whoever makes it: torch DDP's C++ reducer, the
+(``ddplab.pg.group``), whoever makes it: torch DDP's C++ reducer, the
 reference reducers in ``ddplab.sync.core``, a learner's class. A
 ``GroupRecorder`` installed on that group (``with rec.watching():``) turns the
 all-reduces of one iteration into that iteration's buckets, numbered in the
@@ -64,10 +64,10 @@ import contextlib
 
 import torch
 
-from ddplab.cluster.observed import Observing, observing
-from ddplab.cluster.observed_work import ForwardingWork
-from ddplab.cluster.wrapped import payload_bytes
 from ddplab.contracts.clock import now
+from ddplab.pg.group import ObserverBase, observe
+from ddplab.pg.inner import payload_bytes
+from ddplab.pg.works import ForwardingWork
 
 
 def record_launch(recorder, work, *, bucket, kind, nbytes, params=(), on_device=False):
@@ -115,7 +115,7 @@ RING_FACTOR = {
 }
 
 
-class GroupRecorder(Observing):
+class GroupRecorder(ObserverBase):
     """Watches the observing group: each iteration's all-reduces become its buckets.
 
     ``recorder``: a ``ddplab.timeline.recorder.Recorder`` (None: count only);
@@ -162,7 +162,7 @@ class GroupRecorder(Observing):
         ``phase`` names the phase of the calls made in it (e.g. "step")."""
         self.named_phase = phase
         try:
-            with observing(self, group):
+            with observe(self, group):
                 yield self
         finally:
             self.named_phase = None

@@ -1,7 +1,7 @@
 """Bytes per collective, counted where they pass: at the observing process group.
 
 Teaches: what travels is read at the group, not worked out. ``OpBytes`` is an
-observer (``ddplab.cluster.observed``): inside ``with observing(OpBytes()) as
+observer (``ddplab.pg.group``): inside ``with observe(OpBytes()) as
 c:`` every op the group is handed adds its payload bytes to ``c.nbytes`` and
 to ``c.by_op[op]`` ("all_reduce", "broadcast", "all_gather", ...). A
 sharded optimizer's broadcasts, FSDP's all-gathers and reduce-scatters are
@@ -10,15 +10,15 @@ counted the same way as DDP's all-reduces.
 Leaves out: timing (``ddplab.timeline.on_group.GroupRecorder`` draws the
 all-reduces), and what a ring moves on the wire per rank (this is the
 payload handed to the group, as torch's DDP logging counts it).
-References: ddplab.cluster.observed (the observing group).
+References: ddplab.pg.group (the observing group).
 """
 from __future__ import annotations
 
-from ddplab.cluster.observed import Observing
-from ddplab.cluster.wrapped import payload_bytes
+from ddplab.pg.group import ObserverBase
+from ddplab.pg.inner import payload_bytes
 
 
-class OpBytes(Observing):
+class OpBytes(ObserverBase):
     """Counts the payload bytes and calls of every op seen, per op name."""
 
     def __init__(self):

@@ -85,7 +85,7 @@ class ControlPanel:
                  link="10gbe", steps=5, iterations=1, max_world_size=8, usable_cpus=None,
                  extra_config=None, model=None, batch=None, loss=None):
         if usable_cpus is None:
-            from ddplab.cluster.resources import usable_cpus as _usable  # no torch imported
+            from ddplab.placement.resources import usable_cpus as _usable  # no torch imported
 
             usable_cpus = _usable()
         if world_size is None:

@@ -46,7 +46,7 @@ def scaling_figure(strong=None, weak=None, usable_cpus: int | None = None, title
         weak = weak or {r["world_size"]: r["weak_step_ms"] for r in rows}
         usable_cpus = usable_cpus or result.get("usable_cpus")
     if usable_cpus is None:
-        from ddplab.cluster.resources import usable_cpus as _usable  # no torch imported
+        from ddplab.placement.resources import usable_cpus as _usable  # no torch imported
 
         usable_cpus = _usable()
     fig = go.Figure()

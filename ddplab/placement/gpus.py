@@ -35,8 +35,8 @@ import dataclasses
 import os
 from dataclasses import dataclass, field
 
-from ddplab.cluster import gpu_locks
-from ddplab.cluster.gpu_facts import BUSY_MIB, GPU, discover, mig_devices, too_few, visible  # noqa: F401 - the public names
+from ddplab.placement import gpu_locks
+from ddplab.placement.gpu_facts import BUSY_MIB, GPU, discover, mig_devices, too_few, visible  # noqa: F401 - the public names
 
 
 @dataclass(frozen=True)

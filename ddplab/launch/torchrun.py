@@ -40,7 +40,7 @@ or different explicit backends on different nodes, are refused in words on
 every rank.
 
 Under Slurm (``srun python train.py``) or Open MPI (``mpirun``) there are no
-torchrun variables: ``launchers.adopt`` writes them from SLURM_PROCID or
+torchrun variables: ``schedulers.adopt`` writes them from SLURM_PROCID or
 OMPI_COMM_WORLD_RANK and the rest first (torchrun's, when set, win).
 
 Leaves out, compared with torchrun and torch.distributed: elastic membership
@@ -57,9 +57,10 @@ import os
 import sys
 from typing import NamedTuple
 
-from ddplab.cluster import backend as rank_backend
-from ddplab.cluster import launchers, resources
-from ddplab.cluster.launchers import TorchrunEnvError
+from ddplab.launch import schedulers
+from ddplab.launch.schedulers import TorchrunEnvError
+from ddplab.pg import backend as rank_backend
+from ddplab.placement import resources
 
 REQUIRED = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
@@ -124,7 +125,7 @@ def init_from_env(backend: str = "auto", timeout: float | None = None,
     divided by the ranks on it, overriding torchrun's OMP_NUM_THREADS=1.
     Calling it again in the same process returns the same DistEnv.
     """
-    launchers.adopt()  # Slurm's or Open MPI's variables, as torchrun's (when RANK is not set)
+    schedulers.adopt()  # Slurm's or Open MPI's variables, as torchrun's (when RANK is not set)
     env = read_env()  # a wrong launch fails here, before the seconds torch takes to import
     import torch
     import torch.distributed as dist
@@ -145,13 +146,13 @@ def init_from_env(backend: str = "auto", timeout: float | None = None,
     # rank 0 hosts), with the start-up limit: the nodes meet there before the group starts.
     from torch.distributed.rendezvous import rendezvous
 
-    from ddplab.cluster.wrapped import startup_timeout
+    from ddplab.pg.inner import startup_timeout
 
     store, _, _ = next(rendezvous("env://", env["rank"], env["world_size"],
                                   timeout=startup_timeout(timeout)))
     backend = publish_and_agree(store, env["rank"], env["world_size"], asked, could,
                                 startup_timeout(timeout))
-    # Under nccl the group also serves CPU tensors through gloo (cluster/backend.py).
+    # Under nccl the group also serves CPU tensors through gloo (pg/backend.py).
     if backend == "nccl":
         warn_if_taken(gpu, env["rank"])
     rank_backend.init_group(backend, rank=env["rank"], world_size=env["world_size"],
@@ -221,7 +222,7 @@ def warn_if_taken(gpu: int, rank: int) -> str | None:
 
     torchrun gives local rank i GPU i, whoever holds it; on a shared server that may be
     another learner's. Returns the warning, or None."""
-    from ddplab.cluster.gpus import discover
+    from ddplab.placement.gpus import discover
 
     found = {g.index: g for g in discover()}
     why = found[gpu].busy_reason() if gpu in found else None
@@ -301,7 +302,7 @@ def finish(code: int = 0) -> None:
             dist.barrier()  # nobody tears down while a peer still needs it
             dist.destroy_process_group()
     except BaseException as exc:  # noqa: BLE001 - report, then still leave without teardown
-        print(f"ddplab.cluster.torchrun.finish: {type(exc).__name__}: {exc}", file=sys.stderr)
+        print(f"ddplab.launch.torchrun.finish: {type(exc).__name__}: {exc}", file=sys.stderr)
         code = code or 1
     finally:
         sys.stdout.flush()

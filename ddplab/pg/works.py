@@ -22,10 +22,10 @@ import datetime
 
 import torch.distributed as dist
 
-from ddplab.cluster.wrapped import close_open_blocks
+from ddplab.pg.p2p_blocks import close_open_blocks
 
 
-class Observing:
+class ObserverBase:
     """An observer that notes nothing: subclass it and override what you need
     (the methods of ``ddplab.contracts.protocols.Observer``)."""
 

@@ -13,7 +13,7 @@ A plain group then answers ``dist.get_backend()`` with ``'cpu:gloo,cuda:nccl'``.
 ``backend_name()`` instead, which says ``'nccl'`` or ``'gloo'``, and
 ``device()`` for where its model and data belong (``cuda:N`` on an NCCL rank,
 ``cpu`` on a gloo rank); the Cluster's ranks, ``%%ddp`` cells and scripts
-under torchrun all get the same answers. ``describe()`` gives the whole
+under torchrun all get the same answers. ``backend_description()`` gives the whole
 description, for the doctor and the ``process_group`` field of a result.
 
 The ranks' group is the observing one (``observed.py``): it wraps these real
@@ -35,7 +35,7 @@ NCCL_GROUP = "cpu:gloo,cuda:nccl"
 OBSERVED = {"gloo": "ddplab_gloo", "nccl": "ddplab_nccl"}
 
 
-def group_string(backend: str) -> str:
+def init_string(backend: str) -> str:
     """What ``init_process_group`` is given for a Cluster or torchrun backend name: the
     observing group (observed.py) around gloo, or around gloo and NCCL.
 
@@ -52,9 +52,9 @@ def group_string(backend: str) -> str:
     return OBSERVED.get(backend, backend)
 
 
-def name_of(description: str) -> str:
+def gradient_backend(description: str) -> str:
     """``'cpu:gloo,cuda:nccl'`` -> ``'nccl'``: the backend that carries the gradients."""
-    from ddplab.cluster.observed import BACKENDS
+    from ddplab.pg.group import BACKENDS
 
     description = BACKENDS.get(description, description)
     parts = dict(p.split(":", 1) for p in description.split(",") if ":" in p)
@@ -69,7 +69,7 @@ def init_group(backend: str, *, rank: int, world_size: int, timeout: float | Non
     import torch
     import torch.distributed as dist
 
-    from ddplab.cluster.observed import register
+    from ddplab.pg.group import register
 
     register()
     kwargs = {}
@@ -85,21 +85,21 @@ def init_group(backend: str, *, rank: int, world_size: int, timeout: float | Non
         kwargs["store"] = store
     if init_method is not None:
         kwargs["init_method"] = init_method
-    dist.init_process_group(group_string(backend), rank=rank, world_size=world_size, **kwargs)
+    dist.init_process_group(init_string(backend), rank=rank, world_size=world_size, **kwargs)
 
 
 def backend_name(group=None) -> str:
     """``'nccl'`` or ``'gloo'`` for this rank's group (never the device-mapped string)."""
     import torch.distributed as dist
 
-    return name_of(str(dist.get_backend(group)))
+    return gradient_backend(str(dist.get_backend(group)))
 
 
-def describe(group=None) -> str:
+def backend_description(group=None) -> str:
     """The group's full backend description, e.g. ``'cpu:gloo,cuda:nccl'``."""
     import torch.distributed as dist
 
-    from ddplab.cluster.observed import BACKENDS
+    from ddplab.pg.group import BACKENDS
 
     name = str(dist.get_backend(group))
     return BACKENDS.get(name, name)

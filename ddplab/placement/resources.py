@@ -20,7 +20,7 @@ import math
 import os
 
 # GPU facts live below this module (gpu_facts imports nothing of the package): no import circle
-from ddplab.cluster.gpu_facts import too_few, visible_gpus  # noqa: F401 - visible_gpus is public here
+from ddplab.placement.gpu_facts import too_few, visible_gpus  # noqa: F401 - visible_gpus is public here
 
 BACKENDS = ("auto", "gloo", "nccl")
 

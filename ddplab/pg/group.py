@@ -9,22 +9,22 @@ calls the group's ``allreduce`` for each bucket. A Python subclass of
 ``dist.ProcessGroup``, registered as a backend with
 ``dist.Backend.register_backend``, is such an object: this one holds the
 real groups (gloo for CPU tensors, NCCL for CUDA tensors, the
-``"cpu:gloo,cuda:nccl"`` split of ``ddplab.cluster.backend``), hands each
+``"cpu:gloo,cuda:nccl"`` split of ``ddplab.pg.backend``), hands each
 call to the right one and, on the way,
 
 - counts what it issued: torch's Python groups have no sequence number
   (``_get_sequence_number_for_group`` raises "does not yet support sequence
   numbers"), so this group keeps its own; the Cluster compares the counts to
   decide whether ranks can be kept after a failure (``worker.group_state``);
-- tells the observers installed on it (``observing(observer)``) what ran, on
+- tells the observers installed on it (``observe(observer)``) what ran, on
   which tensors, and lets them wrap the returned work: a recorder stamps
   launch and done, a simulated link delays completion, a grader notes waits
   and gives a short timeout (``ddplab.contracts.protocols.Observer``).
 
-The Cluster's ranks join through it (``backend.group_string``), so the
+The Cluster's ranks join through it (``backend.init_string``), so the
 learner's code, ddplab's reducers and torch DDP are all seen by one mechanism.
 Meeting the peers at start-up has a longer limit than a collective
-(``wrapped.py``), so ranks slow to start are not failed by a short timeout.
+(``inner.py``), so ranks slow to start are not failed by a short timeout.
 
 Leaves out, compared with torch's own groups: ``reduce``/``gather``/``scatter``
 called from C++ (torch's Python trampoline cannot route them here; Python
@@ -32,7 +32,7 @@ callers are served), object collectives' internals (they arrive as the
 all-gathers and broadcasts they are made of), functional collectives
 (``torch.distributed._functional_collectives`` goes through the dispatcher,
 not this object), NCCL's coalescing manager for collectives (each collective is
-issued alone; NCCL sends and recvs are grouped, ``wrapped.CoalescedP2P``),
+issued alone; NCCL sends and recvs are grouped, ``p2p_blocks.CoalescedP2P``),
 ``TORCH_DISTRIBUTED_DEBUG=DETAIL``'s wrapper group.
 
 On NCCL (docs/gpu.md): ProcessGroupNCCL answers a blocking op with no work
@@ -58,15 +58,17 @@ import weakref
 import torch
 import torch.distributed as dist
 
-from ddplab.cluster import wrapped
-from ddplab.cluster.observed_work import ObservedWork, Observing, completed  # noqa: F401 - public here too
-from ddplab.cluster.wrapped import CoalescedP2P, close_open_blocks, coalesced, gloo_group, nccl_group, route, seconds
+from ddplab.pg import inner
+from ddplab.pg.inner import gloo_group, nccl_group, seconds
+from ddplab.pg.p2p_blocks import CoalescedP2P, close_open_blocks, issue_on_inner
+from ddplab.pg.works import ObservedWork, ObserverBase, completed  # noqa: F401 - public here too
 
+UNFINISHED_GPU_WORK = "unfinished GPU work"  # the key of unfinished_device_work's entry
 BACKENDS = {"ddplab_gloo": "gloo", "ddplab_nccl": "cpu:gloo,cuda:nccl"}
 LIVE: "weakref.WeakSet" = weakref.WeakSet()  # this process's observing groups (subgroups too)
 
 
-class ObservedGroup(dist.ProcessGroup):
+class ObservingGroup(dist.ProcessGroup):
     """A process group that forwards to real gloo (and NCCL) groups and is watched."""
 
     def __init__(self, store, rank: int, size: int, timeout, description: str):
@@ -74,14 +76,14 @@ class ObservedGroup(dist.ProcessGroup):
         self.description = description
         self.timeout = timeout
         self.store = store  # the group's own (prefixed) store: observers may meet peers there
-        # start-up waits longer than a collective may (wrapped.py)
+        # start-up waits longer than a collective may (inner.py)
         self.cpu = gloo_group(dist.PrefixStore("gloo/", store), rank, size, timeout)
         self.cuda = self.device = None
         if "nccl" in description:
-            self.device = wrapped.current_gpu()  # the rank's GPU: barriers run there
+            self.device = inner.current_gpu()  # the rank's GPU: barriers run there
             self.cuda = nccl_group(dist.PrefixStore("nccl/", store), rank, size, timeout,
                                    self.device)  # connected now, on that GPU
-        self.p2p = CoalescedP2P(self.cuda) if self.cuda is not None else None  # wrapped.py
+        self.p2p = CoalescedP2P(self.cuda) if self.cuda is not None else None  # inner.py
         self.issued = 0  # every collective and point-to-point op, the sequence number
         self.device_works: list = []  # NCCL works not yet seen complete (unfinished())
         self.observers: list = []
@@ -109,7 +111,7 @@ class ObservedGroup(dist.ProcessGroup):
         return getattr(self, "_desc", "")
 
     @contextlib.contextmanager
-    def observing(self, observer):
+    def observe(self, observer):
         """Within the block, ``observer`` sees every op on this group (newest last)."""
         self.observers.append(observer)
         try:
@@ -154,7 +156,7 @@ class ObservedGroup(dist.ProcessGroup):
 
     def _backend(self, tensors):
         flat = [t for t in _flat(tensors) if isinstance(t, torch.Tensor)]
-        if flat and wrapped.on_gpu(flat[0]):
+        if flat and inner.on_gpu(flat[0]):
             if self.cuda is None:
                 raise RuntimeError(f"a CUDA tensor was given to a {self.description} group; "
                                    "move it to the CPU, or start the Cluster with backend='nccl'")
@@ -171,7 +173,7 @@ class ObservedGroup(dist.ProcessGroup):
             # with the limits and observers, and the wait makes the caller's current stream
             # wait for NCCL's, so what the caller's later kernels see is the same.
             opts.asyncOp = True
-        work = route(self.p2p, op, backend, call, tensors)
+        work = issue_on_inner(self.p2p, op, backend, call, tensors)
         if work is None:
             raise RuntimeError(f"{op}: the {'NCCL' if backend is self.cuda else 'gloo'} group "
                                "returned no work; ddplab cannot wait on it (please report this)")
@@ -180,7 +182,7 @@ class ObservedGroup(dist.ProcessGroup):
             self.device_works.append(work)
         for observer, token in calls:
             work = observer.started(token, work) or work
-        # gloo's sends and recvs keep the start-up limit (wrapped.py): cap their waits
+        # gloo's sends and recvs keep the start-up limit (inner.py): cap their waits
         return ObservedWork(work, self, calls, self.timeout if backend is self.cpu else None)
 
     # -- collectives (the names torch's c10d calls on a group) ----------------------------
@@ -210,7 +212,7 @@ class ObservedGroup(dist.ProcessGroup):
     _allgather_base = all_gather_single
 
     def all_gather_single_coalesced(self, outputs, inputs, opts):
-        return self._issue("all_gather_into_tensor", inputs, lambda b: coalesced(
+        return self._issue("all_gather_into_tensor", inputs, lambda b: coalesced_or_one_by_one(
             b, "allgather_into_tensor_coalesced", "_allgather_base", outputs, inputs, opts), opts=opts)
 
     allgather_into_tensor_coalesced = all_gather_single_coalesced
@@ -231,7 +233,7 @@ class ObservedGroup(dist.ProcessGroup):
     _reduce_scatter_base = reduce_scatter_single
 
     def reduce_scatter_single_coalesced(self, outputs, inputs, opts):
-        return self._issue("reduce_scatter_tensor", inputs, lambda b: coalesced(
+        return self._issue("reduce_scatter_tensor", inputs, lambda b: coalesced_or_one_by_one(
             b, "reduce_scatter_tensor_coalesced", "_reduce_scatter_base", outputs, inputs, opts), opts=opts)
 
     reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced
@@ -266,12 +268,11 @@ class ObservedGroup(dist.ProcessGroup):
 
 
 def unfinished_device_work(grace_s: float = 1.0) -> dict:
-    """``{UNFINISHED: (n,)}`` when this process's observing groups have n NCCL works not
-    finished on the GPU, else ``{}`` (an entry of worker.group_state; diagnosis.py reads it)."""
-    from ddplab.cluster.diagnosis import UNFINISHED
-
+    """``{UNFINISHED_GPU_WORK: (n,)}`` when this process's observing groups have n NCCL works
+    not finished on the GPU, else ``{}`` (an entry of the rank's group state, which the
+    Cluster's diagnosis reads)."""
     n = sum(g.unfinished(grace_s) for g in list(LIVE) if g.cuda is not None)
-    return {UNFINISHED: (n,)} if n else {}
+    return {UNFINISHED_GPU_WORK: (n,)} if n else {}
 
 
 def _flat(tensors):
@@ -284,7 +285,7 @@ def _flat(tensors):
 
 def _creator(description):
     def create(store, rank, size, timeout):
-        return ObservedGroup(store, rank, size, timeout, description)
+        return ObservingGroup(store, rank, size, timeout, description)
     return create
 
 
@@ -296,25 +297,37 @@ def register() -> None:
             dist.Backend.register_backend(name, _creator(description), devices=devices)
 
 
-def observed(group=None) -> ObservedGroup | None:
+def observing_group(group=None) -> ObservingGroup | None:
     """The observing group behind ``group`` (default: the default group), or None."""
     if not dist.is_initialized():
         return None
     pg = group if group is not None else dist.distributed_c10d._get_default_group()
-    return pg if isinstance(pg, ObservedGroup) else None
+    return pg if isinstance(pg, ObservingGroup) else None
 
 
 @contextlib.contextmanager
-def observing(observer, group=None):
-    """``with observing(obs):`` -> ``obs`` sees every op on the (default) observing group.
+def observe(observer, group=None):
+    """``with observe(obs):`` -> ``obs`` sees every op on the (default) observing group.
 
     Raises when the group is not an observing one (started outside a Cluster, e.g.
     ``init_process_group("gloo")``): say how to get one."""
-    pg = observed(group)
+    pg = observing_group(group)
     if pg is None:
         raise RuntimeError("this process group is not observed: start it through ddplab "
                            "(a Cluster, ddplab.init_from_env) or with backend 'ddplab_gloo' "
-                           "after ddplab.cluster.observed.register()")
-    with pg.observing(observer):
+                           "after ddplab.pg.group.register()")
+    with pg.observe(observer):
         yield observer
 
+
+def coalesced_or_one_by_one(backend, coalesced: str, single: str, outputs, inputs, opts):
+    """NCCL's coalesced call where the backend has it; gloo's ProcessGroupGloo has no
+    ``allgather_into_tensor_coalesced`` nor ``reduce_scatter_tensor_coalesced`` (torch 2.13),
+    so there each pair goes as its own call, in order on every rank. The earlier works are
+    waited for here, so the one returned ends last (gloo may run two ops at once)."""
+    if hasattr(backend, coalesced):
+        return getattr(backend, coalesced)(outputs, inputs, opts)
+    works = [getattr(backend, single)(out, inp, opts) for out, inp in zip(outputs, inputs)]
+    for work in works[:-1]:
+        work.wait()
+    return works[-1] if works else None
