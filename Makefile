@@ -34,10 +34,10 @@ define pytest_or_say_empty
 $(PYTEST) $(1); rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "make $@: pytest collected no tests (exit 5): check its paths and -m" >&2; fi; exit $$rc
 endef
-UNIT = tests --ignore-glob='tests/test_browser*.py'
+UNIT = tests --ignore=tests/browser
 # make test-unit leaves the tests marked `more` to make check (make test-unit-more), to stay
 # within 5 minutes: the life-cycle stress tests, the graders' planted-mistake suites, the fake-NCCL
-# and sharding suites, tests that start processes of their own (tests/conftest.py, MORE_FILES).
+# and sharding suites, tests that start processes of their own (each file marks itself: tests/conftest.py).
 NBVAL = --nbval-lax --nbval-current-env --nbval-sanitize-with labs/nbval-sanitize.cfg
 LABS = $(sort $(wildcard labs/*.ipynb))
 # The labs make test runs (<= 3 min together); the others run in make check.
@@ -61,11 +61,11 @@ test-labs: $(STAMP)
 	$(call pytest_or_say_empty,-q $(NBVAL) $(LABS_QUICK))
 
 test-browser: $(STAMP)
-	$(call pytest_or_say_empty,-q -m "not more" tests/test_browser.py tests/test_browser_exercises.py)
+	$(call pytest_or_say_empty,-q -m "not more" tests/browser/test_browser.py tests/browser/test_browser_exercises.py)
 
 # The browser's exercise runs make test leaves out: labs 11 and 12 filled in, in Chromium.
 test-browser-more: $(STAMP)
-	$(call pytest_or_say_empty,-q -m more tests/test_browser.py tests/test_browser_exercises.py)
+	$(call pytest_or_say_empty,-q -m more tests/browser/test_browser.py tests/browser/test_browser_exercises.py)
 
 # make check: make test, then CHECK_MORE in this order. Whatever is too long for make test
 # goes into CHECK_MORE (add a target's name to the list: the full
@@ -102,15 +102,15 @@ test-hub: $(STAMP)
 	test -x $(HUB_VENV)/bin/python || $(HUB_PYTHON) -m venv $(HUB_VENV)
 	$(HUB_VENV)/bin/python -m pip install --quiet -c constraints.txt -e '.[lab,test,browser,classroom]'
 	npm ci --prefix proxy --no-audit --no-fund
-	DDPLAB_HUB_TEST=1 $(HUB_SUDO) $(HUB_VENV)/bin/python -m pytest -q -p no:cacheprovider tests/test_classroom_hub.py
-	DDPLAB_HUB_TEST=1 $(PY) -m pytest -q tests/test_classroom_grading.py tests/test_classroom_exchange.py
+	DDPLAB_HUB_TEST=1 $(HUB_SUDO) $(HUB_VENV)/bin/python -m pytest -q -p no:cacheprovider tests/course/test_classroom_hub.py
+	DDPLAB_HUB_TEST=1 $(PY) -m pytest -q tests/course/test_classroom_grading.py tests/course/test_classroom_exchange.py
 
 # A real Slurm (Debian's slurm-wlm and munge, apt-installed when missing; root): munged,
 # slurmctld and two emulated nodes on 127.0.0.1, started and stopped by the test. A lab's cells
 # exported with %ddp_export --sbatch run as 2-node jobs (srun, and torchrun per node) and must
 # print the notebook's numbers; ddplab.record in the job writes its timeline (docs/hpc.md).
 test-slurm: $(STAMP)
-	DDPLAB_SLURM_TEST=1 $(call pytest_or_say_empty,-q tests/test_slurm.py)
+	DDPLAB_SLURM_TEST=1 $(call pytest_or_say_empty,-q tests/launch/test_slurm.py)
 
 # `classroom --spawner slurm` on that real Slurm: two learners in Chromium, each server a Slurm job
 # submitted as the learner's own account (sudo), ended by the idle culler and by the hub's stop.
@@ -121,7 +121,7 @@ test-slurm-hub: $(STAMP)
 	$(SLURM_HUB_VENV)/bin/python -m pip install --quiet -c constraints.txt -e '.[lab,test,browser,classroom,slurm]'
 	npm ci --prefix proxy --no-audit --no-fund
 	DDPLAB_SLURM_TEST=1 $(SLURM_HUB_VENV)/bin/python -m pytest -q -p no:cacheprovider --durations=5 \
-	  tests/test_classroom_slurm.py
+	  tests/course/test_classroom_slurm.py
 
 # Every exercise's grader against its mutation catalogue (correct and wrong solutions) on live ranks.
 test-graders: $(STAMP)

@@ -1,5 +1,5 @@
 """Mutation catalogue, lab 00's send/recv warm-up and lab 09's bucket prediction.
-Not among tests/test_checks_labs00_09.py's planted solutions.
+Not among tests/checks/test_checks_labs00_09.py's planted solutions.
 """
 import torch
 import torch.distributed as dist

@@ -2,7 +2,7 @@
 
 Correct solutions written three ways, and wrong ones: each slip the grader
 (ddplab/checks/sharding.py) names. A broadcast only the owner makes (a hang)
-is planted in tests/test_checks_sharding.py, on ranks with a short
+is planted in tests/checks/test_checks_sharding.py, on ranks with a short
 collective timeout.
 """
 import torch.distributed as dist

@@ -1,5 +1,5 @@
 """Mutation catalogue, gradient synchronization: lab 02 (average_gradients, OverlapDDP) and lab 03
-(BucketedDDP, no_sync accumulation). Not among tests/test_checks.py's planted mistakes.
+(BucketedDDP, no_sync accumulation). Not among tests/checks/test_checks.py's planted mistakes.
 """
 import contextlib
 

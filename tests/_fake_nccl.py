@@ -420,3 +420,10 @@ def rejoin(store_path: str, device_count: int = 2, gpu=None, on_host=False) -> s
     dist.init_process_group("ddplab_nccl", store=dist.FileStore(store_path, size), rank=rank,
                             world_size=size, timeout=timeout)
     return str(dist.get_backend())
+
+
+def backend_string() -> str:
+    """The rank's group backend as torch names it: ``'ddplab_nccl'`` once on the fake."""
+    import torch.distributed as dist
+
+    return str(dist.get_backend())

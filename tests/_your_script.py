@@ -2,7 +2,7 @@
 
     torchrun --standalone --nproc-per-node=2 tests/_your_script.py OUT [options]
 
-Run by tests/test_recording_endings.py under torchrun, once per way a run can end: the loop
+Run by tests/measure/test_recording_endings.py under torchrun, once per way a run can end: the loop
 running to the last step asked for, ending sooner, ending later, the process group destroyed
 first, a rank raising. Only the options below differ from a plain script.
 """

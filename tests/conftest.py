@@ -28,14 +28,21 @@ allows one rank per GPU, so a 1-GPU machine still runs the NCCL paths);
 ``@pytest.mark.slow``: takes more than a few seconds; ``make test-fast`` leaves it out.
 
 ``@pytest.mark.more``: left to make check (``make test-unit-more``), to keep ``make test-unit``
-within 5 minutes; every test of a file in ``MORE_FILES`` gets it here. They are the stress
-tests of the ranks' life cycle (an Interrupt at every point, a killed kernel, a classroom day
-of jobs, faults, late ranks), the graders' planted-mistake suites beyond the fast catalogue
-subset (each mistake waits out a short timeout or a hang), the fake-NCCL reruns of existing
-suites and the fake-NCCL contract, the sharding suites (each starts its own ranks), and single
-tests that start processes of their own (command lines, torchrun, the classroom command).
-make test still grades one correct and one wrong solution of every exercise
-(tests/test_graders_catalogue.py).
+within 5 minutes. Each file says so itself (``pytestmark = pytest.mark.more``, or the mark on
+one test): the stress tests of the ranks' life cycle, the graders' planted-mistake suites beyond
+the fast catalogue subset, the fake-NCCL reruns and contract, the sharding suites, and tests that
+start processes of their own. make test still grades one correct and one wrong solution of every
+exercise (tests/checks/test_graders_catalogue.py).
+
+Folders. tests/ mirrors the package's rooms (tests/pg/ for ddplab/pg/, tests/sync/ for
+ddplab/sync/, ...; tests/project/ for the repository as a whole, tests/browser/ for JupyterLab in
+Chromium), each with a conftest that says what it covers. The helpers (``tests/_*.py``) stay here,
+one folder for every room, since the ranks import them by name.
+
+Fake NCCL. ``fake_nccl_cluster`` is two ranks whose group is the observing group over the fake
+ProcessGroupNCCL of ``tests/_fake_nccl.py`` (CPU tensors answered as ProcessGroupNCCL answers),
+moved back onto it before every test that asks for it: a test that planted a hang may have left
+gloo ranks behind. A module sets ``FAKE_NCCL_ON_HOST = True`` to have the fake stamp on the host.
 """
 from __future__ import annotations
 
@@ -47,16 +54,6 @@ import pytest
 # Helper modules whose functions stand for a learner's code: they go by value as well.
 BY_VALUE_HELPERS = ("_exercise_solutions",)
 
-MORE_FILES = {
-    "test_cluster_interrupts.py", "test_cluster_kernel.py", "test_cluster_soak.py", "test_cluster_faults.py",
-    "test_observed_timeouts.py", "test_ring.py", "test_checks_labs06_08.py", "test_graders_slips.py",
-    "test_recording_endings.py", "test_observed_fake_nccl.py", "test_sharded_optimizer_more.py",
-    "test_checks_sharding.py", "test_fsdp.py", "test_fsdp_seen.py", "test_recorder_fake_nccl.py",
-    "test_graders_fake_nccl.py", "test_memory_more.py", "test_fits_more.py", "test_sharded_optimizer.py",
-    "test_memory.py", "test_fits.py", "test_zero_rows.py", "test_sharding_one_axis.py", "test_gpu_check.py",
-    "test_record_fake_nccl.py", "test_nccl_contract.py", "test_observed_coalesced.py", "test_launchers.py",
-    "test_classroom.py", "test_exercises.py", "test_handouts.py", "test_proxy_guard.py",
-}
 
 
 def pytest_collection_modifyitems(config, items):
@@ -64,8 +61,6 @@ def pytest_collection_modifyitems(config, items):
 
     gpus = visible_gpus()
     for item in items:
-        if item.path.name in MORE_FILES:
-            item.add_marker(pytest.mark.more)
         marker = item.get_closest_marker("gpu")
         if marker is None:
             continue
@@ -131,10 +126,27 @@ def gpu_world() -> int:
     return max(1, min(2, visible_gpus()))
 
 
-@pytest.fixture(scope="session")
-def browsing(tmp_path_factory):
-    """One JupyterLab and one Chromium for every browser test of the session (tests/_browser.py)."""
-    from _browser import open_browsing
+_FAKE_STORES = iter(range(1_000_000))
 
-    with open_browsing(tmp_path_factory) as shared:
-        yield shared
+
+@pytest.fixture(scope="module")
+def _fake_nccl_ranks(tmp_path_factory):
+    import ddplab
+
+    with ddplab.Cluster(2, timeout=30) as c:
+        c.fake_nccl_dir = tmp_path_factory.mktemp("fake-nccl")
+        yield c
+
+
+@pytest.fixture
+def fake_nccl_cluster(_fake_nccl_ranks, request):
+    """Two ranks on the fake NCCL (``tests/_fake_nccl.py``), moved back onto it when needed."""
+    import _fake_nccl
+
+    cluster = _fake_nccl_ranks
+    cluster.ensure_ready()
+    if cluster.run(_fake_nccl.backend_string) != ["ddplab_nccl"] * 2:
+        path = str(cluster.fake_nccl_dir / f"store{next(_FAKE_STORES)}")
+        on_host = getattr(request.module, "FAKE_NCCL_ON_HOST", False)
+        assert cluster.run(_fake_nccl.rejoin, path, on_host=on_host) == ["ddplab_nccl"] * 2
+    return cluster

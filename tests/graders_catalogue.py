@@ -9,7 +9,7 @@ solution failed), false accepts (a wrong one passed), raw errors (anything but a
 CheckFailed came out of a grader: the learner would see a traceback, not words)
 and "named otherwise" (a CheckFailed, but not the mistake listed). Exits 1 on
 any false reject or raw error. One Cluster per world size, shared by every
-check. tests/test_graders_catalogue.py runs the first correct and first wrong
+check. tests/checks/test_graders_catalogue.py runs the first correct and first wrong
 solution of each exercise (the fast subset, in ``make test``).
 """
 import os

@@ -12,7 +12,7 @@ uneven counts (the smallest on the first rank, then on the last, then all
 equal), names the mistake from what came back, and on a pass trains torch
 DDP for that many steps on every rank to show that the loop now ends.
 
-Mistakes it names (each planted in tests/test_checks_labs06_08.py):
+Mistakes it names (each planted in tests/checks/test_checks_labs06_08.py):
 not implemented; hung (a collective only some ranks call); each rank's own
 count (no collective); rank 0's count broadcast; the maximum (a rank runs out of data); the sum; a
 wrong number otherwise.

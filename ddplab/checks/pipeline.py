@@ -13,7 +13,7 @@ parameter's gradient on both stages, the loss, and the bytes each rank sent
 (``ddplab.lessons.pipeline.p2p_counting``): one activation forward and
 one gradient backward, ``batch x hidden x element size`` bytes each.
 
-Mistakes it names (each planted in tests/test_checks_labs06_08.py):
+Mistakes it names (each planted in tests/checks/test_checks_labs06_08.py):
 not implemented; hung (a recv whose send never comes); the received
 activation does not require grad; stage 0 never ran its backward; wrong
 gradients; more (or fewer) bytes than one activation and one gradient;

@@ -12,7 +12,7 @@ those steps, strategy by strategy, on one shared time axis (the panels of
 ``ddplab.widgets.compare``, as labs 02 and 03 compare strategies).
 
 Leaves out: memory peaks and optimizer state (the memory-per-rank picture),
-compute_dtype (tested in tests/test_fsdp.py), timing.
+compute_dtype (tested in tests/sync/test_fsdp.py), timing.
 """
 from __future__ import annotations
 

@@ -31,7 +31,7 @@ rebuild rule (ddplab.measure.whatif has that).
 Leaves out: the allocator (its caching and rounding, on GPU), the Python
 heap, gloo's and NCCL's own buffers, buffers (BatchNorm statistics),
 temporaries smaller than the largest one, mixed precision. Checked against
-``ddplab.measure.memory.measure`` within 10 % (tests/test_fits.py).
+``ddplab.measure.memory.measure`` within 10 % (tests/measure/test_fits.py).
 
 References: Rajbhandari et al., "ZeRO" (SC 2020), section 3 (2 + 2 + K bytes
 per parameter, mixed precision; here float32: 4 + 4 + 8); Zhao et al.,

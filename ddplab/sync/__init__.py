@@ -13,7 +13,7 @@
 
 Where they part from torch's DDP they raise at the first step, naming the
 parameter and what to do, rather than train wrong in silence
-(tests/test_sync_torch_parity.py, tests/test_sync_differential.py).
+(tests/sync/test_sync_torch_parity.py, tests/sync/test_sync_differential.py).
 
 The reference versions of all three, in plain torch.distributed calls, one
 file each, are ``ddplab.sync.core``: read those first.

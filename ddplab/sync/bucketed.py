@@ -42,7 +42,7 @@ on CPU the short path puts this class at torch DDP's cost per tensor:
 benchmarks/per_tensor.py, figures in docs/benchmarks.md.
 
 torch's options, same names, same meaning (each tested against torch DDP
-with the same option in tests/test_sync_options.py):
+with the same option in tests/sync/test_sync_options.py):
 
 - ``bucket_cap_mb=None`` (the default, as in torch): 25 MB with a 1 MB first
   bucket; ``bucket_cap_mb_list`` (torch 2.13): a limit per bucket;

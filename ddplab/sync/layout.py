@@ -22,7 +22,7 @@ still open at the end of a rebuild do not: torch's "add remaining buckets"
 loop walks a ``std::unordered_map`` keyed by (dtype, device), so their order
 is the hash map's. With libstdc++ (the Linux wheels) it came out as the
 REVERSE of the order each key first appeared in every case
-tests/test_bucket_rule_vs_torch.py drew (the bucket of the first-declared
+tests/sync/test_bucket_rule_vs_torch.py drew (the bucket of the first-declared
 parameters first), which is the order taken here; that test compares those
 buckets as a set and counts how often the order agreed.
 

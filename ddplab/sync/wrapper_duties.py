@@ -42,7 +42,7 @@ Leaves out, compared with torch DDP (BucketedDDP adds ``find_unused_parameters``
 (``device_ids``), the check that every rank holds same-shaped parameters,
 Join, mixed precision, and torch's rule that skips the buffer broadcast at a
 grad-enabled forward that follows a ``no_sync`` or no-grad forward (here
-every grad-enabled forward broadcasts; tests/test_sync_equivalence.py shows
+every grad-enabled forward broadcasts; tests/sync/test_sync_equivalence.py shows
 torch's pattern): a module whose buffers change under no_grad (BatchNorm in
 train mode, evaluated under no_grad) then trains on with rank 0's buffers
 where torch keeps each rank's until the next synchronizing forward.

@@ -24,7 +24,7 @@ outside. They refuse options they do not support, naming the full
 implementation that does (``ddplab.average_gradients``, ``ddplab.OverlapDDP``,
 ``ddplab.BucketedDDP``: options, edge cases, speed), which is tested to train
 exactly like these and like torch's DistributedDataParallel
-(tests/test_sync_differential.py).
+(tests/sync/test_sync_differential.py).
 """
 from ddplab.sync.core.average import average_gradients, average_gradients_flat, broadcast_parameters
 from ddplab.sync.core.bucketed import BucketedDDP, compute_bucket_assignment_by_size

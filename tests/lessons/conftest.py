@@ -1,0 +1,2 @@
+"""Each lab's rank programs (ddplab/lessons/), run on live ranks.
+"""

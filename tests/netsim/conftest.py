@@ -1,0 +1,2 @@
+"""The alpha-beta cost model and the simulated link (ddplab/netsim/).
+"""

@@ -1,0 +1,2 @@
+"""The notebook front door (ddplab/notebook/): %%ddp magics, per-rank output, export.
+"""

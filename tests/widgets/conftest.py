@@ -1,0 +1,2 @@
+"""Figures and panels (ddplab/widgets/): they read results and never import torch.
+"""
