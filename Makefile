@@ -77,9 +77,13 @@ check: $(STAMP)
 	$(MAKE) test
 	$(MAKE) $(CHECK_MORE)
 
-# The unit tests make test leaves out.
+# The unit tests make test leaves out, on UNIT_MORE_WORKERS pytest-xdist workers, one test file
+# per worker at a time (--dist loadfile: a file's module fixtures, e.g. its own ranks, stay in one
+# process). Most of their time is spent waiting out planted hangs and collective timeouts, which
+# the second worker overlaps; UNIT_MORE_WORKERS=0 runs them in this process, one after another.
+UNIT_MORE_WORKERS ?= 2
 test-unit-more: $(STAMP)
-	$(call pytest_or_say_empty,-q -m more $(UNIT))
+	$(call pytest_or_say_empty,-q -m more -n $(UNIT_MORE_WORKERS) --dist loadfile $(UNIT))
 
 # The labs make test leaves out.
 test-labs-more: $(STAMP)

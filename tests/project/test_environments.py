@@ -76,7 +76,7 @@ def test_every_lab_runs_in_make_test_or_make_check():
 def test_every_unit_test_runs_in_make_test_or_make_check():
     unit, more = _make_dry_run("test-unit"), _make_dry_run("test-unit-more")
     # the same paths, split by one marker: a test is in exactly one of the two
-    assert '-m "not more" tests' in unit and "-m more tests" in more
+    assert '-m "not more" tests' in unit and "-m more -n " in more and "--dist loadfile tests" in more
     # the marker is set in each file, so a moved or renamed file keeps it
     marked = [p for p in (ROOT / "tests").rglob("test_*.py") if "pytest.mark.more" in p.read_text()]
     assert len(marked) >= 30
