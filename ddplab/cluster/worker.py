@@ -107,7 +107,7 @@ def error_info(exc: BaseException, skip_frames: int = 1, elapsed: float = 0.0) -
         "runtime_error": isinstance(exc, RuntimeError),  # gloo's errors, DistError included
         "timeout": isinstance(exc, TimeoutError),
         # raised from inside a torch.distributed call, or the observing group's wait on
-        # the real work (observed_work.py): its connections may be closed
+        # the real work (pg/works.py): its connections may be closed
         "in_collective": bool(shown) and _in_collective(shown[-1][0].f_code.co_filename),
         "elapsed": elapsed,
         "text": "".join(traceback.format_exception(exc)),
@@ -141,7 +141,7 @@ def group_state() -> dict | None:
                     seqs.append(pg._get_backend(torch.device(device))._get_sequence_number_for_group())
                 except Exception:  # no backend for that device in this group
                     pass
-            if not seqs:  # the observing group (observed.py) has no backend: it counts itself
+            if not seqs:  # the observing group (pg/group.py) has no backend: it counts itself
                 seqs.append(pg._get_sequence_number_for_group())
             state[name] = tuple(seqs)
         from ddplab.pg.group import unfinished_device_work

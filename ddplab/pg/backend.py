@@ -16,7 +16,7 @@ A plain group then answers ``dist.get_backend()`` with ``'cpu:gloo,cuda:nccl'``.
 under torchrun all get the same answers. ``backend_description()`` gives the whole
 description, for the doctor and the ``process_group`` field of a result.
 
-The ranks' group is the observing one (``observed.py``): it wraps these real
+The ranks' group is the observing one (``pg/group.py``): it wraps these real
 groups, so ``dist.get_backend()`` answers ``'ddplab_gloo'`` or ``'ddplab_nccl'``.
 
 Leaves out: other device types (xpu, mps), MPI and UCC backends, and a
@@ -31,13 +31,13 @@ from __future__ import annotations
 import datetime
 
 NCCL_GROUP = "cpu:gloo,cuda:nccl"
-# The observing group (observed.py) wraps the real groups under these backend names.
+# The observing group (pg/group.py) wraps the real groups under these backend names.
 OBSERVED = {"gloo": "ddplab_gloo", "nccl": "ddplab_nccl"}
 
 
 def init_string(backend: str) -> str:
     """What ``init_process_group`` is given for a Cluster or torchrun backend name: the
-    observing group (observed.py) around gloo, or around gloo and NCCL.
+    observing group (pg/group.py) around gloo, or around gloo and NCCL.
 
     Under ``TORCH_DISTRIBUTED_DEBUG=DETAIL`` the ranks join the plain groups instead:
     torch checks collectives for mismatches by wrapping its own C++ groups
@@ -76,8 +76,8 @@ def init_group(backend: str, *, rank: int, world_size: int, timeout: float | Non
     if backend == "nccl":
         # Select the GPU before any CUDA work, or every rank would make a context on
         # GPU 0. No device_id: init_process_group would ask the group for its CUDA
-        # backend to connect eagerly, and a Python group (observed.py) has none to give;
-        # the observing group connects its NCCL half itself, on this GPU (wrapped.nccl_group).
+        # backend to connect eagerly, and a Python group (pg/group.py) has none to give;
+        # the observing group connects its NCCL half itself, on this GPU (inner.nccl_group).
         torch.cuda.set_device(gpu)
     if timeout is not None:
         kwargs["timeout"] = datetime.timedelta(seconds=timeout)

@@ -2,7 +2,7 @@
 
 Teaches: a ``dist.Work`` is a promise about one collective: ``wait()`` (with an
 optional limit), ``get_future()``, ``is_completed()``. The observing group
-(``observed.py``) hands its callers this wrapper, so that every wait, however the
+(``pg/group.py``) hands its callers this wrapper, so that every wait, however the
 caller came to make it (``dist.all_reduce``'s own wait on a blocking call, a
 learner's ``work.wait()``, torch DDP's reducer), passes the observers first, with
 the shortest limit any of them asks for. On NCCL a wait without a limit makes the
