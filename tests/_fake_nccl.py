@@ -44,11 +44,12 @@ API for tests, and for the recording's CUDA-event stamping (tests/_fake_cuda.py)
   rank's GPU (``inner.current_gpu``). ``cuda``: a ``_fake_cuda.Device``
   whose streams the works use (else streams are plain labels).
 - ``FakeNCCL.instances`` (every one made), ``.ops`` ((op, blocking) in issue
-  order), ``.works``, ``.env`` (the TORCH_NCCL_* settings it was made under), ``.barrier_devices``, ``.connected``, ``.shut``,
-  ``.aborted``, ``.stream`` (the group's NCCL stream). With ``cuda``, an op
-  queued on a stream keeps it busy ``FakeNCCL.op_seconds`` after the later of the
-  host's now and what that stream (for an async op, also the caller's current
-  stream, which NCCL's waits for) already holds.
+  order), ``.works``, ``.env`` (the TORCH_NCCL_* settings it was made under),
+  ``.barrier_devices``, ``.connected``, ``.shut``, ``.aborted``, ``.stream``
+  (the group's NCCL stream). With ``cuda``, an op queued on a stream keeps it
+  busy ``FakeNCCL.op_seconds`` after the later of the host's now and what that
+  stream (for an async op, also the caller's current stream, which NCCL's waits
+  for) already holds.
 - ``FakeWork.stream``: where the op ran: the caller's current stream for a
   blocking op, the group's NCCL stream otherwise; ``.op``, ``.seq``,
   ``.outputs``, ``.enqueued_at`` (time.monotonic()).

@@ -123,9 +123,9 @@ def steps(runner, args, out: Path | None, work: Path):
             return False, f"no result (exit {rc})"
         res = json.loads(line.split(" ", 1)[1])
         ok = res["hung"] and res["named_after_s"] <= 3.0 + 30 and res.get("same_ranks") is True
+        kept = "kept" if res.get("same_ranks") else "NOT kept: " + res.get("after_error", "pids changed")
         return ok, (f"{res['mistake']!r} after {res['named_after_s']} s on {res.get('backend')}; "
-                    f"ranks {'kept' if res.get('same_ranks') else 'NOT kept: ' + res.get('after_error', 'pids changed')}"
-                    f" {args.after_hang_s:.0f} s later")
+                    f"ranks {kept} {args.after_hang_s:.0f} s later")
 
     def bench(limit):
         path = work / "bench.json"

@@ -15,7 +15,7 @@ returned; a collective instead of send/recv; an isend/irecv never waited; judged
 for NCCL (``backend="nccl"``, as lab 00 asks), a wait before the other half of
 the pair was posted, and a send or recv called outside ``batch_isend_irecv``
 (the ring grader's two NCCL rules, ``ddplab.checks.ring``). The traffic is
-watched with ``ddplab.lessons.ring.watch_p2p``, which stops a deadlock after
+watched with ``ddplab.pg.p2p_watch.watch_p2p``, which stops a deadlock after
 ``timeout`` seconds instead of hanging.
 
 Leaves out: tags, process subgroups, GPUs (the same code runs on NCCL ranks).
@@ -57,21 +57,21 @@ def pass_right_on_rank(fn, cfg: dict) -> dict:
     import torch
     import torch.distributed as dist
 
-    from ddplab.lessons import ring as R
     from ddplab.pg.backend import device
+    from ddplab.pg.p2p_watch import P2PStalled, SizeMismatch, watch_p2p
 
     rank, p = dist.get_rank(), dist.get_world_size()
     out: dict = {"rank": rank, "p": p}
     log = None
     try:
-        with R.watch_p2p(cfg["timeout"], tag=cfg["tag"]) as log:
+        with watch_p2p(cfg["timeout"], tag=cfg["tag"]) as log:
             got = fn(_data(rank, cfg["n"]).to(device()))
         out["got"] = got.detach().cpu() if isinstance(got, torch.Tensor) else None
     except NotImplementedError:
         out["error"] = "NotImplementedError"
-    except R.P2PStalled as e:
+    except P2PStalled as e:
         out["stalled"] = (e.op, e.peer)
-    except R.SizeMismatch as e:
+    except SizeMismatch as e:
         out["size"] = str(e)
     except Exception as e:  # the learner's bug, in words below
         out["error"] = traceback.format_exception_only(type(e), e)[-1].strip()

@@ -10,7 +10,7 @@ Rank 1 returns the loss.
 lab's next cell runs float32, so a dtype written out fails here), next to the whole
 model in one process (same weights, same batch) and checks every
 parameter's gradient on both stages, the loss, and the bytes each rank sent
-(``ddplab.lessons.pipeline.p2p_counting``): one activation forward and
+(``ddplab.pg.p2p_watch.p2p_counting``): one activation forward and
 one gradient backward, ``batch x hidden x element size`` bytes each.
 
 Mistakes it names (each planted in tests/checks/test_checks_labs06_08.py):
@@ -46,6 +46,7 @@ def _grade_on_rank(fn, batch_size: int, hang_s: float, dtype: str = "float64", t
     import torch.distributed as dist
 
     from ddplab.lessons import pipeline as P
+    from ddplab.pg.p2p_watch import p2p_counting
 
     rank = dist.get_rank()
     if rank > 1:
@@ -59,7 +60,7 @@ def _grade_on_rank(fn, batch_size: int, hang_s: float, dtype: str = "float64", t
     want = [p.grad.clone() for p in stage.parameters()]
     whole.zero_grad(set_to_none=True)
     out, error = None, None
-    with P.p2p_counting(recv_timeout_s=hang_s, tag=tag) as counted:
+    with p2p_counting(recv_timeout_s=hang_s, tag=tag) as counted:
         try:
             out = fn(stage, x if rank == 0 else None, y if rank == 1 else None, (batch_size, P.HIDDEN))
         except Exception as exc:  # noqa: BLE001 - named below, with what was sent and received
@@ -85,8 +86,9 @@ def from_rank_error(err: RankError) -> Exception:
     errors = {r: e for r, e in err.exceptions.items() if e is not None}
     if isinstance(err, RankDied):
         return CheckFailed(SIZE_MISMATCH, f"{str(err).splitlines()[0]}. gloo aborts a process that "
-                                          "receives more bytes than its recv buffer holds, the usual cause here: an irecv "
-                                          "buffer smaller than the tensor sent (the ranks were replaced).")
+                                          "receives more bytes than its recv buffer holds, the usual cause "
+                                          "here: an irecv buffer smaller than the tensor sent (the ranks "
+                                          "were replaced).")
     if any(isinstance(e, NotImplementedError) for e in errors.values()):
         return CheckFailed(NOT_IMPLEMENTED)
     if isinstance(err, TimeoutError) or any(isinstance(e, TimeoutError) for e in errors.values()):

@@ -29,7 +29,7 @@ Every wait the learner's code makes is capped at the grader's short timeout
 never calls gets an error after that time, which becomes a message naming
 what it was waiting for (``Stalled``), not a frozen notebook.
 
-Leaves out: point-to-point ops (``ddplab.lessons.ring`` pairs those),
+Leaves out: point-to-point ops (``ddplab.pg.p2p_watch`` pairs those),
 functional collectives (they do not reach the group object), and CUDA
 streams. Object collectives are seen as the tensor collectives they are made of.
 References: torch.distributed.all_reduce (``async_op=True`` returns a
@@ -116,7 +116,7 @@ class Watch:
 
     def launched(self, op, tensors, group, peer):
         if op in ("send", "recv"):
-            return None  # point-to-point passes unobserved here (see ddplab.lessons.ring)
+            return None  # point-to-point passes unobserved here (see ddplab.pg.p2p_watch)
         tensor = next((t for t in tensors if isinstance(t, torch.Tensor)), None)
         return self._launch(op, tensor if op != "barrier" else None)
 

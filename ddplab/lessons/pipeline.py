@@ -7,7 +7,8 @@ Teaches (lab 08):
 - a model split in two stages across two ranks (model parallel, the
   simplest pipeline) sends the activation between the stages forward and
   its gradient backward, so its traffic grows with the batch size:
-  ``pipeline_step`` with ``p2p_counting`` counting every send;
+  ``pipeline_step`` with ``p2p_counting`` (``ddplab.pg.p2p_watch``) counting
+  every send;
 - where they cross: per rank, DDP puts ``2(p-1)/p`` times the gradient bytes
   on its link (a ring all-reduce), the pipeline ``batch x hidden x
   element size`` each way; ``crossover_batch`` solves for the batch size
@@ -29,15 +30,11 @@ P2P send/recv); GPipe (Huang et al., 2019); torch/nn/parallel/distributed.py.
 """
 from __future__ import annotations
 
-import ast
-import contextlib
-import datetime
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ddplab.pg.group import ObserverBase
+from ddplab.pg.p2p_watch import p2p_counting
 from ddplab.sync import comm
 
 D_IN, HIDDEN, D_OUT = 64, 256, 10
@@ -63,133 +60,6 @@ def batch(size: int, seed: int = 0, dtype=torch.float32):
 
 def loss_fn(out, y):
     return F.mse_loss(out, y)
-
-
-class P2PCounter:
-    """Bytes and calls of point-to-point traffic on this rank."""
-
-    def __init__(self):
-        self.sent = self.received = self.sends = self.recvs = 0
-        self.messages = []  # (op, peer, shape, dtype) in call order: a grader pairs them up
-        self.unwaited = 0  # isend/irecv works not (yet) waited for
-
-    def note(self, op, tensor, peer):
-        self.messages.append((op, peer, tuple(tensor.shape), str(tensor.dtype).replace("torch.", "")))
-
-    def as_dict(self) -> dict:
-        return {"sent": self.sent, "received": self.received, "sends": self.sends, "recvs": self.recvs,
-                "messages": list(self.messages), "unwaited": self.unwaited}
-
-
-@contextlib.contextmanager
-def p2p_counting(recv_timeout_s: float | None = None, tag: str | None = None):
-    """Within the block, every send and recv on this rank's process group is counted.
-
-    Counted at the observing process group (``ddplab.pg.group``), so
-    ``dist.send``, an ``isend`` imported before the block and ``batch_isend_irecv``
-    are all seen, with nothing patched; a work still unwaited at the end is counted
-    in ``unwaited``.
-
-    ``recv_timeout_s``: a wait longer than this raises ``TimeoutError`` naming the
-    peer (instead of waiting out the whole group's timeout).
-
-    ``tag`` (the same on both ranks, new for every call): each send first notes
-    its shape and dtype in the store, and a blocking ``recv`` compares its buffer
-    with them before it is posted, raising ``ValueError`` on a difference. gloo
-    copies bytes: a smaller buffer aborts the receiving process, another dtype or
-    shape of the same size fills it with garbage.
-    """
-    import torch.distributed as dist
-
-    from ddplab.pg.group import observe
-
-    store = dist.distributed_c10d._get_default_store() if tag else None
-    with observe(_P2PWatch(P2PCounter(), recv_timeout_s, tag, store)) as watch:
-        yield watch.counter
-
-
-class _P2PWatch(ObserverBase):
-    """The observer behind ``p2p_counting``: counts, notes and checks sends and recvs."""
-
-    def __init__(self, counter, recv_timeout_s, tag, store):
-        self.counter, self.timeout, self.tag, self.store = counter, recv_timeout_s, tag, store
-        self.seq: dict = {}
-
-    def _key(self, src, dst):
-        n = self.seq[(src, dst)] = self.seq.get((src, dst), -1) + 1
-        return f"ddplab-pipe/{self.tag}/{src}->{dst}/{n}"
-
-    def launched(self, op, tensors, group, peer):
-        if op not in ("send", "recv") or not tensors:
-            return None
-        tensor, counter = tensors[0], self.counter
-        counter.note(op, tensor, peer)
-        nbytes = tensor.numel() * tensor.element_size()
-        if op == "send":
-            if self.store is not None and peer is not None:
-                self.store.set(self._key(group.rank(), int(peer)), _described(tensor))
-            counter.sent, counter.sends = counter.sent + nbytes, counter.sends + 1
-        else:
-            if self.store is not None and peer is not None and _blocking_recv():
-                self._compare(tensor, int(peer), group)
-            counter.received, counter.recvs = counter.received + nbytes, counter.recvs + 1
-        counter.unwaited += 1
-        return {"op": op, "peer": peer, "what": _described(tensor), "waited": False}
-
-    def _compare(self, tensor, src, group):
-        key = self._key(src, group.rank())
-        try:
-            self.store.wait([key], datetime.timedelta(seconds=self.timeout or 30))
-        except Exception:  # the store's timeout error type differs between torch versions
-            return  # nothing announced: the timed wait reports the hang
-        sent = self.store.get(key).decode()
-        if sent != _described(tensor):
-            # take the message off the wire first (its sender may be blocked until it is
-            # received), straight from the group's own gloo member: no observer sees it
-            shape, dtype = sent.rsplit(" ", 1)
-            drain = torch.empty(ast.literal_eval(shape), dtype=getattr(torch, dtype[6:]))
-            group.cpu.recv([drain], src, 0).wait()
-            raise ValueError(f"rank {group.rank()} posted a recv into {_described(tensor)} from "
-                             f"rank {src}, which sent {sent}")
-
-    def waiting(self, token):
-        if token is not None and not token["waited"]:
-            token["waited"] = True
-            self.counter.unwaited -= 1
-
-    def failed(self, token, exc):
-        if token is not None and self.timeout is not None:
-            where, never = (("recv(src", "never sent it") if token["op"] == "recv"
-                            else ("send(dst", "never received it"))
-            raise TimeoutError(f"rank {self.rank()} waited {self.timeout:g} s in {where}="
-                               f"{token['peer']}) for {token['what']} and nothing came: rank "
-                               f"{token['peer']} {never} ({str(exc).splitlines()[0][:120]})") from None
-
-    @staticmethod
-    def rank() -> int:
-        import torch.distributed as dist
-
-        return dist.get_rank()
-
-
-def _described(tensor) -> str:
-    return f"{tuple(tensor.shape)} {tensor.dtype}"
-
-
-def _blocking_recv() -> bool:
-    """Is this recv a blocking ``dist.recv``? It reaches the group as an ``irecv`` does (torch
-    2.13's ``recv`` calls ``irecv`` and waits); the frames outside ddplab tell them apart."""
-    import sys
-
-    def torch_frame(frame, names):
-        return (frame is not None and frame.f_code.co_name in names
-                and "torch/distributed" in frame.f_code.co_filename.replace("\\", "/"))
-
-    frame = sys._getframe(2)
-    while frame is not None and "ddplab" in frame.f_code.co_filename.replace("\\", "/").split("/"):
-        frame = frame.f_back
-    return torch_frame(frame, ("recv",)) or (torch_frame(frame, ("irecv",))
-                                            and torch_frame(frame.f_back, ("recv",)))
 
 
 def pipeline_step(stage, x, y, act_shape):

@@ -147,7 +147,8 @@ def python_lines(path: str, needle: str) -> dict:
             raise LookupError(f"torch {installed_version()} has no torch.nn.parallel.distributed."
                               f"{path}: torch renamed this step; update ddplab's reducer map")
     source, first = inspect.getsourcelines(obj)
-    hits = [(first + i, line.strip()) for i, line in enumerate(source) if needle in line and not line.strip().startswith("#")]
+    hits = [(first + i, line.strip()) for i, line in enumerate(source)
+            if needle in line and not line.strip().startswith("#")]
     if not hits:
         raise LookupError(f"torch {installed_version()}: {path} no longer mentions {needle!r}")
     return {"file": inspect.getsourcefile(obj), "def_line": first, "hits": hits}

@@ -8,5 +8,6 @@ NCCL group and tells the observers installed on it (``group.observe``) what ran.
 - ``works``: what an observer is (``ObserverBase``) and the works callers get back;
 - ``inner``: the real gloo and NCCL groups inside it and their two limits;
 - ``p2p_blocks``: NCCL's coalesced sends and recvs (one group depth per thread);
+- ``p2p_watch``: sends and recvs counted and paired for the lessons and graders;
 - ``backend``: backend strings, ``init_group`` on a rank, ``device()``.
 """

@@ -70,8 +70,9 @@ with the same option in tests/sync/test_sync_options.py):
 Sparse gradients (``nn.Embedding(sparse=True)``) get a bucket of their own
 and are all-reduced as sparse tensors (``sparse.py``).
 
-Leaves out, compared with torch DDP: see ``layout.py``, ``sparse.py`` (comm hooks on sparse gradients) and ``wrapper_duties.py`` (device
-placement, Join, mixed precision). A gradient hook that fires twice in one
+Leaves out, compared with torch DDP: see ``layout.py``, ``sparse.py`` (comm
+hooks on sparse gradients) and ``wrapper_duties.py`` (device placement, Join,
+mixed precision). A gradient hook that fires twice in one
 backward without ``static_graph`` is an error, as in torch.
 
 References: torch/csrc/distributed/c10d/reducer.cpp; torch/nn/parallel/

@@ -126,7 +126,8 @@ def test_one_rank_raising_breaks_off_the_others_quickly(cluster2):
     # within seconds, not at the collective timeout (60 s); the bound leaves room for the
     # replacement's spawn, which took 22 s on a 2-core machine at load average 20
     elapsed = time.monotonic() - t0
-    assert elapsed < 0.75 * cluster2.timeout, f"peers must be broken off within seconds, not at the timeout ({elapsed:.1f} s)"
+    assert elapsed < 0.75 * cluster2.timeout, (f"peers must be broken off within seconds, not at the timeout "
+                                               f"({elapsed:.1f} s)")
     err = info.value
     assert err.ranks == [1]
     assert isinstance(err.exceptions[1], ValueError)

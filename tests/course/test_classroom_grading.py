@@ -46,8 +46,8 @@ pytestmark = [pytest.mark.slow, pytest.mark.hub, pytest.mark.skipif(
 SLIPS = {
     "00-first-process-group": [
         ("        work.wait()\n    return buf", "        work.wait()\n    return t", firstgroup.WRONG_VALUES),
-        ("    chunks = torch.tensor_split(t, p)", "    dist.all_reduce(t)\n    return\n    chunks = torch.tensor_split(t, p)",
-         ring.COLLECTIVE)],
+        ("    chunks = torch.tensor_split(t, p)",
+         "    dist.all_reduce(t)\n    return\n    chunks = torch.tensor_split(t, p)", ring.COLLECTIVE)],
     "01-when-is-the-sync": [
         ("    dist.all_reduce(t)          # SUM over the ranks; every rank ends with the result", "    pass",
          "every rank should end with")],

@@ -54,7 +54,8 @@ DONE_JS = """([first, count]) => {
 }"""
 WHERE = """import os
 def where():
-    return f"rank {dist.get_rank()}/{dist.get_world_size()} {ddplab.backend_name()} job={os.environ.get('SLURM_JOB_ID')} uid={os.getuid()}"
+    return (f"rank {dist.get_rank()}/{dist.get_world_size()} {ddplab.backend_name()} "
+            f"job={os.environ.get('SLURM_JOB_ID')} uid={os.getuid()}")
 for line in cluster.run(where):
     print(line)"""
 # learner 2 stays busy (output every 2 s keeps its server active) until the hub is stopped

@@ -243,8 +243,8 @@ def test_a_hang_on_cuda_tensors_is_named_by_the_grader_within_its_limit():
 
 
 def test_nccls_timeout_text_counts_as_timed_out_for_the_ring_and_the_grader():
-    from ddplab.lessons.ring import P2PStalled, P2PWatch
     from ddplab.pg.inner import timed_out
+    from ddplab.pg.p2p_watch import P2PStalled, P2PWatch
 
     nccl = dist.DistBackendError("[PG ID 0 PG GUID 0 Rank 0] Watchdog caught collective operation "
                                  "timeout: WorkNCCL(SeqNum=3, OpType=SEND, Timeout(ms)=500) ran for "

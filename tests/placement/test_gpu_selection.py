@@ -103,7 +103,8 @@ def test_backend_names_read_the_device_mapped_group():
     # the ranks join through the observing group, which wraps gloo (and NCCL for CUDA tensors)
     assert rank_backend.init_string("nccl") == "ddplab_nccl"
     assert rank_backend.init_string("gloo") == "ddplab_gloo"
-    assert rank_backend.gradient_backend("ddplab_nccl") == "nccl" and rank_backend.gradient_backend("ddplab_gloo") == "gloo"
+    assert rank_backend.gradient_backend("ddplab_nccl") == "nccl"
+    assert rank_backend.gradient_backend("ddplab_gloo") == "gloo"
     assert rank_backend.gradient_backend("cpu:gloo,cuda:nccl") == "nccl"
     assert rank_backend.gradient_backend("cuda:nccl,cpu:gloo") == "nccl"
     assert rank_backend.gradient_backend("cpu:gloo") == "gloo"

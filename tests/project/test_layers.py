@@ -19,7 +19,7 @@ PACKAGE = ROOT / "ddplab"
 MODULES = {
     # the bottom rooms: the clock and contracts, the observing process group, where ranks run
     0: {"ddplab.contracts": ["", "clock", "protocols"],
-        "ddplab.pg": ["", "backend", "group", "inner", "p2p_blocks", "works"],
+        "ddplab.pg": ["", "backend", "group", "inner", "p2p_blocks", "p2p_watch", "works"],
         "ddplab.placement": ["", "gpu_facts", "gpu_locks", "gpus", "resources"]},
     1: {"ddplab.netsim": ["", "costmodel", "link", "simulated"]},
     2: {"ddplab.timeline": ["", "clock", "cuda_events", "metrics", "on_group", "op_bytes", "recorder", "records",
