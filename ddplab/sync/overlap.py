@@ -46,7 +46,7 @@ backward, so the error comes one step late and says so.
 Leaves out, compared with torch's DistributedDataParallel: buckets and the
 fixed launch order (see above: detected, not prevented), and
 ``static_graph``'s hooks that fire more than once per backward (an error
-here; see ``_common`` for that and the rest: buffers, no_sync, unused
+here; see ``wrapper_duties`` for that and the rest: buffers, no_sync, unused
 parameters).
 
 References: torch.Tensor.register_post_accumulate_grad_hook;

@@ -94,7 +94,7 @@ class UsedMap:
     """Which parameters got a gradient on this rank (``local``, 0/1 per
     parameter) and, after one all-reduce, on any rank.
 
-    ``local`` is the wrapper's ``grad_marks`` (see ``_common.GradSyncModule``):
+    ``local`` is the wrapper's ``grad_marks`` (see ``wrapper_duties.GradSyncModule``):
     a bytearray its hooks write, because a hook writes one byte in nanoseconds
     where indexing a tensor from Python costs microseconds. It is cleared
     after each synchronizing backward, so parameters used in ``no_sync``
