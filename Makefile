@@ -114,7 +114,7 @@ test-hub: $(STAMP)
 # exported with %ddp_export --sbatch run as 2-node jobs (srun, and torchrun per node) and must
 # print the notebook's numbers; ddplab.record in the job writes its timeline (docs/hpc.md).
 test-slurm: $(STAMP)
-	DDPLAB_SLURM_TEST=1 $(call pytest_or_say_empty,-q tests/launch/test_slurm.py)
+	DDPLAB_SLURM_TEST=1 $(call pytest_or_say_empty,-q tests/launchers/test_slurm.py)
 
 # `classroom --spawner slurm` on that real Slurm: two learners in Chromium, each server a Slurm job
 # submitted as the learner's own account (sudo), ended by the idle culler and by the hub's stop.

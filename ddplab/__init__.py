@@ -6,7 +6,7 @@ torch's own DDP on recorded timelines. See README.md and labs/.
 """
 from ddplab.cluster import Cluster, ClusterError, CollectiveTimeout, JobTimeout, RankDied, RankError, launch
 from ddplab.course.labsetup import lab_world_size, runs_here
-from ddplab.launch.torchrun import init_from_env
+from ddplab.launchers.torchrun import init_from_env
 from ddplab.pg.backend import backend_name, device
 from ddplab.sync.registry import build_strategy, register_strategy, strategy_names
 from ddplab.sync.your_code import as_strategy

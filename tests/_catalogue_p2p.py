@@ -3,7 +3,7 @@
 Each function is a learner's solution; ``RING`` and ``PIPELINE`` list the correct ones
 and the wrong ones (with the mistake the grader should name, or None where any
 CheckFailed is fair). None of these is among the planted mistakes of
-tests/lessons/test_ring.py or tests/checks/test_checks_labs06_08.py.
+tests/checks/test_ring.py or tests/checks/test_checks_labs06_08.py.
 """
 import torch
 import torch.distributed as dist

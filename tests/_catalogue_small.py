@@ -1,6 +1,6 @@
 """Mutation catalogue, labs 05-07: DistributedSampler indices, batch statistics over ranks,
 agreed step counts, a compressing comm hook. Not among the planted mistakes of
-tests/checks/test_data_checks.py, tests/checks/test_checks_labs06_08.py, tests/sync/test_compression_and_reducer.py.
+tests/checks/test_data_checks.py, tests/checks/test_checks_labs06_08.py, tests/lessons/test_compression_and_reducer.py.
 """
 import itertools
 import math

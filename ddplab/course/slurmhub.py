@@ -30,7 +30,7 @@ from pathlib import Path
 
 from batchspawner import SlurmSpawner
 
-from ddplab.launch.schedulers import master_address
+from ddplab.launchers.schedulers import master_address
 
 # Run in the job's batch script before the server starts: the address Slurm reaches this node at.
 NODE_ADDR = ('export DDPLAB_NODE_ADDR="$(scontrol show node "$SLURMD_NODENAME" '

@@ -21,7 +21,7 @@ the few seconds the demo runs (torch's TCPStore does; docs/pitfalls.md):
 ddplab's Cluster itself rendezvouses through a private file instead.
 
 References: https://docs.pytorch.org/docs/stable/elastic/run.html;
-tests/launch/test_torchrun.py (the same launch, tested).
+tests/launchers/test_torchrun.py (the same launch, tested).
 """
 from __future__ import annotations
 

@@ -25,8 +25,8 @@ def record_on_rank(model="transformer", batch=None, loss=None, bucket_cap_mb=Non
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    import ddplab
     from ddplab.measure import models
+    from ddplab.measure.recording import record
     from ddplab.pg.backend import device
 
     if steps < 4:
@@ -37,7 +37,7 @@ def record_on_rank(model="transformer", batch=None, loss=None, bucket_cap_mb=Non
     net = (models.build(model, seed=seed) if isinstance(model, str) else model()).to(dev)
     kwargs = {} if bucket_cap_mb is None else {"bucket_cap_mb": bucket_cap_mb}
     ddp = DDP(net, device_ids=[dev.index] if dev.type == "cuda" else None, **kwargs)
-    rec = ddplab.record(ddp, steps=range(2, steps))
+    rec = record(ddp, steps=range(2, steps))  # no page: the lab draws it
     opt = torch.optim.SGD(ddp.parameters(), lr=0.01)
     for step in range(steps):  # the recording finishes by itself after the last step's opt.step()
         if batch is None:

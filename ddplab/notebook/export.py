@@ -209,7 +209,7 @@ def script_text(rec: Recording, name: str = "train.py", side: str | None = None)
     pushes = [e for e in rec.entries if isinstance(e, Push)]
     saved = {p.detail: p.value for p in pushes if p.how == "saved"}
     side = side if saved else None
-    out = [_header(name, rec, side), "import ddplab", "import ddplab.launch.torchrun"]
+    out = [_header(name, rec, side), "import ddplab", "import ddplab.launchers.torchrun"]
     if saved:
         out.append("import os")
     if saved or any(p.how == "code" and p.detail.startswith("torch.") for p in pushes):
@@ -241,7 +241,7 @@ def script_text(rec: Recording, name: str = "train.py", side: str | None = None)
             why = f"{entry.name} was pushed from the notebook ({entry.detail}): write code that builds it here"
             out += [f"# %ddp_push {entry.name}: {entry.detail} has no source form.",
                     f"raise NotImplementedError({why!r})"]
-    out += ["", "# Leave the group and exit without gloo's teardown abort.", "ddplab.launch.torchrun.finish()", ""]
+    out += ["", "# Leave the group and exit without gloo's teardown abort.", "ddplab.launchers.torchrun.finish()", ""]
     return "\n".join(out), saved
 
 

@@ -130,7 +130,7 @@ class DDPMagics(Magics):
     def _prepare_ranks(self) -> None:
         """Fresh ranks (first start, or replaced after a failure): define the
         names cells rely on and start a new recording, since state is gone."""
-        from ddplab.launch import torchrun
+        from ddplab.launchers import torchrun
 
         cluster = self.cluster
         cluster.run(torchrun.publish_names, RANK_NAMESPACE)

@@ -6,7 +6,7 @@ of two ways:
 
 - ``srun`` (the default): one task per GPU, so ``--ntasks-per-node`` equals
   ``--gpus-per-node``. Slurm starts every rank itself and each one reads its
-  place from Slurm's variables (``ddplab.init_from_env``, launch/schedulers.py).
+  place from Slurm's variables (``ddplab.init_from_env``, launchers/schedulers.py).
   No other program sits between Slurm and the ranks: Slurm's accounting,
   signals, time limit and ``scancel`` reach each rank, and ``srun --label``
   prefixes each output line with its rank.

@@ -10,7 +10,8 @@ Leaves out, compared with torch: torchrun's ``--nproc-per-node=auto`` and
 multi-node topology; here every rank lives on this machine.
 
 The kernel process never initialises CUDA: ``torch.cuda.device_count()``
-answers without creating a context, and ranks choose their device themselves.
+answers without creating a context: the kernel decides which GPU each rank gets
+(``placement.gpus.place``) and the rank selects it (``pg.backend.init_group``).
 
 References: sched_getaffinity(2); cgroup v2 ``cpu.max``; torch.cuda.device_count.
 """

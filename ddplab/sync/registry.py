@@ -4,8 +4,8 @@ Teaches: a strategy is "take a model, return something that trains it in
 step with the other ranks". Here each one is ONE entry: a name, a build
 function and a line of description. compare(), the lessons, the graders,
 the control panel, the demo, the tests and the benchmarks all build
-strategies through ``build_strategy``; adding a fifth strategy is adding
-one entry, in this file or in your own:
+strategies through ``build_strategy``; adding a strategy is adding one
+entry, in this file or in your own:
 
     @ddplab.register_strategy("my_sync", description="all-reduce once, after backward")
     def my_sync(module, process_group=None):
@@ -288,10 +288,9 @@ def _core_bucketed(module, bucket_cap_mb=None, process_group=None):
 # zero1 (torch DDP + ddplab.ShardedOptimizer), torch_zero (torch DDP + ZeroRedundancyOptimizer),
 # fsdp (ddplab.FSDP) and torch_fsdp2 (fully_shard on every Linear and Embedding, then on the
 # model). They use the same plain SGD as every other row, so the optimizer state they hold is zero
-# here (labs 11 and 12 use Adam).
-# -- sharding the optimizer (ZeRO-1): torch DDP averages the gradients, and the
-# optimizer (the same SGD as every other row's) keeps the state of each rank's share,
-# steps it and broadcasts it; compare counts the broadcasts at the observing group ----
+# here (labs 11 and 12 use Adam). ZeRO-1: torch DDP averages the gradients, and the optimizer
+# keeps the state of each rank's share, steps it and broadcasts it; compare counts the broadcasts
+# at the observing group.
 
 def _zero_rows(make_optimizer):
     def build(module, bucket_cap_mb=None, process_group=None, recorder=None, device_ids=None):

@@ -369,7 +369,7 @@ def test_the_reference_ring_groups_each_send_with_its_receive_for_nccl():
 
 
 def test_a_torchrun_rank_about_to_take_a_gpu_someone_holds_says_so(monkeypatch, capsys):
-    from ddplab.launch.torchrun import warn_if_taken
+    from ddplab.launchers.torchrun import warn_if_taken
     from ddplab.placement import gpus
     from ddplab.placement.gpu_facts import GPU
 

@@ -1,8 +1,11 @@
-"""The layers of docs/architecture.md, read from the import graph: nothing imports upward.
+"""The rooms and layers of docs/architecture.md, read from the import graph.
 
 Every ``import`` in every ddplab module (at the top or inside a function) is
-resolved to the ddplab module it names and given that module's layer; an
-import of a higher layer fails the test, naming the file and line.
+resolved to the ddplab module it names and given that module's layer. The tests
+fail, naming the file and line, on an import of a higher layer (``import ddplab``
+itself is the front door, the top layer), on a module without a layer, on an
+import circle, on another module's private name imported or reached as an
+attribute, and on a module over the code-line cap.
 """
 from __future__ import annotations
 
@@ -13,9 +16,11 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "ddplab"
+HERE = "tests/project/test_layers.py"
 
-# Every module, bottom to top. Peers share a level and may import each other. A module that is
-# not listed has no layer and fails the test: add it here, at the level it belongs to.
+# Every module, bottom to top. Modules of one level may import each other, but never in a circle
+# (test_no_import_cycles). A module that is not listed has no layer and fails the test: add it
+# here, at the level it belongs to.
 MODULES = {
     # the bottom rooms: the clock and contracts, the observing process group, where ranks run
     0: {"ddplab.contracts": ["", "clock", "protocols"],
@@ -32,7 +37,7 @@ MODULES = {
     # below this level starts ranks
     4: {"ddplab.cluster": ["", "answers", "cluster", "diagnosis", "errors", "generations", "lifecycle", "output",
                            "process", "progress", "rendezvous", "results", "status", "subset", "worker"],
-        "ddplab.launch": ["", "schedulers", "torchrun"]},
+        "ddplab.launchers": ["", "schedulers", "torchrun"]},
     5: {"ddplab.measure": ["", "compare", "fits", "memory", "models", "profile", "recording", "recording_end",
                            "recording_layout", "report", "runners", "spec", "sweep", "transformer", "whatif",
                            "workload"]},
@@ -46,7 +51,7 @@ MODULES = {
         "ddplab.course": ["", "accounts", "classroom", "classroom_readme", "exercises", "handouts", "hubconfig",
                           "labsetup", "proxy_guard", "safety", "seats", "slurmhub"],
         "ddplab.cli": ["", "compare", "doctor", "view"],
-        "ddplab": ["", "__main__"]},
+        "ddplab": ["", "__main__"]},  # `import ddplab` / `from ddplab import X`: the front door
 }
 LAYERS = {f"{pkg}.{m}" if m else pkg: level
           for level, packages in MODULES.items() for pkg, mods in packages.items() for m in mods}
@@ -88,13 +93,20 @@ def imported_modules(path: Path):
 
 
 def upward_imports(files) -> list[str]:
+    """Every import of a higher layer, and every module without a layer, as findings (all of them,
+    not only the first)."""
     bad = []
     for path in files:
         me = module_name(path)
+        if me not in LAYERS:
+            bad.append(f"{path.relative_to(ROOT)}: {me} has no layer: add it to MODULES in {HERE}")
+            continue
         for line, target in imported_modules(path):
-            if target.split(".")[0] != "ddplab" or target == "ddplab":
-                continue  # torch, stdlib; "ddplab" alone is the package (always loaded first)
-            if layer_of(target) > layer_of(me):
+            if target.split(".")[0] != "ddplab" or me == "ddplab" or target == me:
+                continue  # torch, stdlib; the package's own __init__ is the front door
+            if target not in LAYERS:
+                bad.append(f"{path.relative_to(ROOT)}:{line} {me} imports {target}, which has no layer")
+            elif LAYERS[target] > LAYERS[me]:
                 bad.append(f"{path.relative_to(ROOT)}:{line} {me} imports {target} (a higher layer)")
     return bad
 
@@ -126,8 +138,8 @@ def test_a_module_without_a_layer_fails(tmp_path, monkeypatch):
     (tmp_path / "ddplab" / "sync" / "brand_new.py").write_text("from . import comm\n")
     (tmp_path / "ddplab" / "newtop.py").write_text("")
     assert modules_without_a_layer(tmp_path / "ddplab") == ["ddplab.newtop", "ddplab.sync.brand_new"]
-    with pytest.raises(AssertionError, match="ddplab.sync.brand_new has no layer"):
-        upward_imports([tmp_path / "ddplab" / "sync" / "brand_new.py"])
+    assert upward_imports([tmp_path / "ddplab" / "sync" / "brand_new.py"]) == [
+        f"ddplab/sync/brand_new.py: ddplab.sync.brand_new has no layer: add it to MODULES in {HERE}"]
 
 
 def test_no_module_imports_private_names_of_another():
@@ -156,6 +168,8 @@ def test_the_graph_reader_catches_an_upward_import(tmp_path, monkeypatch):
     probe.write_text(source)
     monkeypatch.setitem(globals(), "ROOT", tmp_path)
     monkeypatch.setitem(LAYERS, "ddplab.netsim.probe", LAYERS["ddplab.netsim"])
+    monkeypatch.setitem(LAYERS, "ddplab.sync.comm", LAYERS["ddplab.sync"])
+    monkeypatch.setitem(LAYERS, "ddplab.timeline.clock", LAYERS["ddplab.timeline"])
     for sub in ("sync", "timeline"):
         (tmp_path / "ddplab" / sub).mkdir()
     (tmp_path / "ddplab" / "sync" / "comm.py").write_text("")
@@ -194,15 +208,22 @@ def test_modules_stay_one_idea(path):
                                  "docstrings and comments not counted): it holds two ideas, split it")
 
 
+WHERE_IMPORTED: dict = {}  # (importer, imported) -> "file:line", for the cycle test's message
+
+
 def import_graph(files) -> dict[str, set[str]]:
     """Module -> the ddplab (or tools) modules it imports, at the top or inside a function."""
     graph = {}
     for path in files:
         me = module_name(path)
-        # a tool imports its neighbours by their bare names (tools/ is on its sys.path)
-        targets = {f"tools.{t}" if me.startswith("tools.") and (path.parent / f"{t}.py").exists() else t
-                   for _, t in imported_modules(path)}
-        graph[me] = {t for t in targets if t.split(".")[0] in ("ddplab", "tools") and t not in (me, "ddplab")}
+        graph[me] = set()
+        for line, t in imported_modules(path):
+            # a tool imports its neighbours by their bare names (tools/ is on its sys.path)
+            if me.startswith("tools.") and (path.parent / f"{t}.py").exists():
+                t = f"tools.{t}"
+            if t.split(".")[0] in ("ddplab", "tools") and t not in (me, "ddplab"):
+                graph[me].add(t)
+                WHERE_IMPORTED.setdefault((me, t), f"{path.relative_to(ROOT)}:{line}")
     return graph
 
 
@@ -241,7 +262,11 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 
 def test_no_import_cycles():
     files = sorted(PACKAGE.rglob("*.py")) + sorted((ROOT / "tools").glob("*.py"))
-    assert cycles(import_graph(files)) == [], "modules that import each other: move the shared name down"
+    graph = import_graph(files)
+    found = cycles(graph)
+    edges = [f"{WHERE_IMPORTED[(a, b)]} {a} imports {b}"
+             for circle in found for a in circle for b in sorted(graph[a]) if b in circle]
+    assert found == [], "modules that import each other (move the name they share down a room):\n" + "\n".join(edges)
 
 
 def test_the_cycle_finder_finds_a_circle():
@@ -268,11 +293,28 @@ def private_attributes_reached(path: Path) -> list[str]:
                 as_file = ROOT / Path(*sub.split("."))
                 if target.startswith("ddplab") and (as_file.with_suffix(".py").exists() or as_file.is_dir()):
                     aliases[a.asname or a.name] = sub
+        if isinstance(node, ast.Import) and any(a.name.startswith("ddplab") and not a.asname for a in node.names):
+            aliases["ddplab"] = "ddplab"  # `import ddplab.checks.graders` binds the name ddplab
+
+    def module_of(expr):
+        """The ddplab module an expression names (``graders``, ``ddplab.checks.graders``,
+        ``checks.graders``), or None."""
+        if isinstance(expr, ast.Name):
+            return aliases.get(expr.id)
+        if isinstance(expr, ast.Attribute):
+            base = module_of(expr.value)
+            if base is None:
+                return None
+            sub = ROOT / Path(*f"{base}.{expr.attr}".split("."))
+            return f"{base}.{expr.attr}" if sub.with_suffix(".py").exists() or sub.is_dir() else None
+        return None
+
     bad = []
     for node in ast.walk(tree):
-        if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in aliases
-                and node.attr.startswith("_") and not node.attr.startswith("__") and aliases[node.value.id] != me):
-            bad.append(f"{path.relative_to(ROOT)}:{node.lineno} reaches {aliases[node.value.id]}.{node.attr}")
+        if isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__"):
+            owner = module_of(node.value)
+            if owner is not None and owner != me:
+                bad.append(f"{path.relative_to(ROOT)}:{node.lineno} reaches {owner}.{node.attr}")
     return bad
 
 
@@ -289,3 +331,19 @@ def test_the_attribute_check_catches_a_private_name(tmp_path, monkeypatch):
     probe.write_text("from ddplab.checks import graders\n\ndef f():\n    return graders._secret\n")
     monkeypatch.setitem(globals(), "ROOT", tmp_path)
     assert private_attributes_reached(probe) == ["ddplab/checks/ring.py:4 reaches ddplab.checks.graders._secret"]
+    for source in ("import ddplab.checks.graders\n\n\nddplab.checks.graders._secret\n",
+                   "from ddplab import checks\n\n\nchecks.graders._secret\n",
+                   "import ddplab.checks.graders as g\n\n\ng._secret\n"):
+        probe.write_text(source)
+        assert private_attributes_reached(probe) == ["ddplab/checks/ring.py:4 reaches ddplab.checks.graders._secret"]
+
+
+def test_no_public_name_is_hidden_by_a_room_of_the_same_name():
+    # `import ddplab.launch.x` would set the attribute ddplab.launch to the subpackage, hiding the
+    # function ddplab.launch: a room may never take the name of a public function
+    import types
+
+    import ddplab
+
+    hidden = [name for name in ddplab.__all__ if isinstance(getattr(ddplab, name), types.ModuleType)]
+    assert hidden == [], f"public names that are modules, not what the docs promise: {hidden}"

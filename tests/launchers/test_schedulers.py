@@ -1,10 +1,10 @@
-"""Slurm's and Open MPI's variables, read as torchrun's (ddplab/launch/schedulers.py), and the
+"""Slurm's and Open MPI's variables, read as torchrun's (ddplab/launchers/schedulers.py), and the
 batch file %ddp_export --sbatch writes (ddplab/notebook/sbatch.py).
 
 Environment dicts as srun and mpirun set them (the Slurm ones copied from a
-2-node job of the real Slurm that tests/launch/test_slurm.py starts), and a fake
+2-node job of the real Slurm that tests/launchers/test_slurm.py starts), and a fake
 ``scontrol`` on PATH that answers as Slurm 22.05 does and logs its calls.
-tests/launch/test_slurm.py runs the same code in real Slurm jobs.
+tests/launchers/test_slurm.py runs the same code in real Slurm jobs.
 """
 from __future__ import annotations
 
@@ -14,9 +14,9 @@ import subprocess
 
 import pytest
 
-from ddplab.launch import schedulers
-from ddplab.launch.schedulers import TorchrunEnvError, adopt, tasks_on_node
-from ddplab.launch.schedulers import torchrun_variables as derive
+from ddplab.launchers import schedulers
+from ddplab.launchers.schedulers import TorchrunEnvError, adopt, tasks_on_node
+from ddplab.launchers.schedulers import torchrun_variables as derive
 from ddplab.notebook import sbatch
 
 pytestmark = pytest.mark.more  # make check runs it (make test-unit-more), not make test

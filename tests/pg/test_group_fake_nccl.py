@@ -1,4 +1,4 @@
-"""tests/pg/test_observed.py again, on ranks whose observing group is ``ddplab_nccl`` over the fake NCCL.
+"""tests/pg/test_group.py again, on ranks whose observing group is ``ddplab_nccl`` over the fake NCCL.
 
 The fake (tests/_fake_nccl.py) answers blocking ops with no work, completes futures at
 enqueue and words its timeouts as NCCL does; every tensor of the ranks goes to the

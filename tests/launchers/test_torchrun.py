@@ -18,7 +18,7 @@ import uuid
 import pytest
 import torch
 
-from ddplab.launch.torchrun import REQUIRED, TorchrunEnvError, init_from_env, read_env
+from ddplab.launchers.torchrun import REQUIRED, TorchrunEnvError, init_from_env, read_env
 from ddplab.notebook import export
 
 CELL_1 = """import torch
@@ -87,7 +87,7 @@ def test_pushed_values_are_reproduced_or_clearly_marked():
     assert "big = _ddp_pushed['big#3']" in text and torch.equal(saved["big#3"], torch.ones(500))
     assert "raise NotImplementedError('make was pushed from the notebook (a function)" in text
     assert text.index(CELL_1.strip()) < text.index("scale = 3") < text.index(CELL_2.strip())
-    assert text.rstrip().endswith("ddplab.launch.torchrun.finish()")
+    assert text.rstrip().endswith("ddplab.launchers.torchrun.finish()")
 
 
 @pytest.mark.slow
@@ -135,7 +135,7 @@ def test_exported_script_takes_one_gpu_per_rank_with_nccl(tmp_path, n):
 
 # -- nodes agree on one backend (each node counts only its own GPUs) -----------------------------
 def test_nodes_that_can_all_run_nccl_take_it_and_a_mixed_cluster_takes_gloo_saying_why():
-    from ddplab.launch.torchrun import agree
+    from ddplab.launchers.torchrun import agree
 
     both_gpu = {r: ("auto", "nccl") for r in range(4)}
     assert agree(both_gpu) == ("nccl", None)
@@ -147,7 +147,7 @@ def test_nodes_that_can_all_run_nccl_take_it_and_a_mixed_cluster_takes_gloo_sayi
 
 
 def test_nodes_that_ask_for_different_backends_or_nccl_without_gpus_are_refused_in_words():
-    from ddplab.launch.torchrun import agree
+    from ddplab.launchers.torchrun import agree
 
     with pytest.raises(TorchrunEnvError, match=r"ranks 0, 1 asked for gloo; ranks 2, 3 asked for "
                                                r"nccl\): pass the same backend"):
@@ -165,7 +165,7 @@ def test_every_rank_reads_the_same_choices_from_the_store_and_takes_the_same_bac
 
     import torch.distributed as dist
 
-    from ddplab.launch.torchrun import publish_and_agree
+    from ddplab.launchers.torchrun import publish_and_agree
 
     store, results = dist.HashStore(), {}
 

@@ -57,8 +57,8 @@ import os
 import sys
 from typing import NamedTuple
 
-from ddplab.launch import schedulers
-from ddplab.launch.schedulers import TorchrunEnvError
+from ddplab.launchers import schedulers
+from ddplab.launchers.schedulers import TorchrunEnvError
 from ddplab.pg import backend as rank_backend
 from ddplab.placement import resources
 
@@ -302,7 +302,7 @@ def finish(code: int = 0) -> None:
             dist.barrier()  # nobody tears down while a peer still needs it
             dist.destroy_process_group()
     except BaseException as exc:  # noqa: BLE001 - report, then still leave without teardown
-        print(f"ddplab.launch.torchrun.finish: {type(exc).__name__}: {exc}", file=sys.stderr)
+        print(f"ddplab.launchers.torchrun.finish: {type(exc).__name__}: {exc}", file=sys.stderr)
         code = code or 1
     finally:
         sys.stdout.flush()
