@@ -160,7 +160,7 @@ def test_a_saved_runs_page_in_chromium_shows_only_what_the_runs_have(tmp_path, b
     opens it (a file in Chromium, no kernel): the legends plotly drew have no entry without
     bars ("saved vs manual" for runs without a manual one), the stamp sources are listed,
     and the two runs' panels share one time axis."""
-    from test_widgets import hand_timeline
+    from _timelines import hand_timeline
 
     from ddplab.cli.view import runs_page
 

@@ -8,7 +8,7 @@ and ranks that issued the same collectives must be kept. (In make check: test-un
 """
 
 import pytest
-from test_observed import (  # noqa: F401 - the tests, collected here again
+from test_group import (  # noqa: F401 - the tests, collected here again
     test_a_plain_group_is_refused_with_a_way_out,
     test_a_short_timeout_ends_a_stall_and_the_ranks_are_replaced,
     test_counts_equal_plain_gloo,
