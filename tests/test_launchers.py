@@ -166,9 +166,13 @@ def test_the_default_batch_file_starts_one_task_per_gpu_with_srun():
     assert [line for line in lines if line.startswith("#SBATCH")] == [
         "#SBATCH --job-name=train", "#SBATCH --nodes=2", "#SBATCH --ntasks-per-node=4",
         "#SBATCH --gpus-per-node=4", "#SBATCH --time=01:00:00", "#SBATCH --partition=gpu",
-        "#SBATCH --output=%x-%j.out"]
+        "#SBATCH --output=%x-%j.out", "#SBATCH --signal=USR1@90", "#SBATCH --requeue",
+        "#SBATCH --open-mode=append"]
     assert "PYTHON=${PYTHON:-/opt/env/bin/python}" in lines
-    assert lines[-1] == 'srun --label "$PYTHON" "$SCRIPT"' and "torch.distributed.run" not in text
+    # a failed task ends the job at once (a hung peer would hold the nodes until the limit)
+    assert lines[-1] == 'srun --kill-on-bad-exit=1 --label "$PYTHON" "$SCRIPT"'
+    assert "torch.distributed.run" not in text
+    assert 'echo "=== job $SLURM_JOB_ID attempt $(( ${SLURM_RESTART_COUNT:-0} + 1 ))' in text
     assert "8 ranks in all" in text and "sbatch train.sbatch" in text
 
 
@@ -176,7 +180,8 @@ def test_the_torchrun_batch_file_starts_one_torchrun_per_node():
     text = sbatch.batch_text("train.py", sbatch.BatchOptions(nodes=2, gpus_per_node=4, launcher="torchrun"))
     assert "#SBATCH --ntasks-per-node=1" in text and "#SBATCH --gpus-per-node=4" in text
     assert "--partition" not in text  # the site's default partition
-    assert 'srun --ntasks-per-node=1 "$PYTHON" -m torch.distributed.run' in text
+    assert ("srun --kill-on-bad-exit=1 --ntasks-per-node=1 bash -c 'trap \"\" USR1; exec \"$@\"' torchrun \\\n"
+            '    "$PYTHON" -m torch.distributed.run') in text
     assert '--nnodes="$SLURM_JOB_NUM_NODES" --nproc-per-node=4' in text
     assert '--rdzv-backend=c10d --rdzv-endpoint="$head_addr:$port" --rdzv-id="$SLURM_JOB_ID"' in text
 
@@ -194,6 +199,9 @@ def test_batch_options_slurm_would_refuse_or_that_leave_gpus_idle_are_refused():
     with pytest.raises(ValueError, match="srun or torchrun"):
         sbatch.check(sbatch.BatchOptions(launcher="mpirun"))
     assert sbatch.check(sbatch.BatchOptions(time="1-12:00:00")).ntasks_per_node == 1
+    with pytest.raises(ValueError, match="--warn-s -1"):
+        sbatch.check(sbatch.BatchOptions(warn_s=-1))
+    assert "--signal" not in sbatch.batch_text("t.py", sbatch.BatchOptions(warn_s=0))
 
 
 def test_the_batch_files_rendezvous_lines_agree_with_init_from_env(scontrol):

@@ -57,7 +57,7 @@ import os
 import sys
 from typing import NamedTuple
 
-from ddplab.launch import schedulers
+from ddplab.launch import requeue, schedulers, stragglers
 from ddplab.launch.schedulers import TorchrunEnvError
 from ddplab.pg import backend as rank_backend
 from ddplab.placement import resources
@@ -125,7 +125,11 @@ def init_from_env(backend: str = "auto", timeout: float | None = None,
     divided by the ranks on it, overriding torchrun's OMP_NUM_THREADS=1.
     Calling it again in the same process returns the same DistEnv.
     """
-    schedulers.adopt()  # Slurm's or Open MPI's variables, as torchrun's (when RANK is not set)
+    launcher = schedulers.adopt()  # Slurm's or Open MPI's variables, as torchrun's (when RANK is not set)
+    if launcher == "slurm" or os.environ.get("SLURM_JOB_ID"):
+        # Slurm's warning before the time limit (the batch file's --signal=USR1@90) would
+        # kill the task: note it instead, for a ddplab.Resumable loop to save and requeue.
+        requeue.listen()
     env = read_env()  # a wrong launch fails here, before the seconds torch takes to import
     import torch
     import torch.distributed as dist
@@ -157,6 +161,11 @@ def init_from_env(backend: str = "auto", timeout: float | None = None,
         warn_if_taken(gpu, env["rank"])
     rank_backend.init_group(backend, rank=env["rank"], world_size=env["world_size"],
                             timeout=timeout, gpu=gpu, store=store)
+    # A collective that times out names the ranks that never issued it (stragglers.py).
+    from ddplab.pg.group import observing_group
+
+    stragglers.watch(observing_group(), env["rank"], env["world_size"], env["master_addr"],
+                     env["master_port"])
     return current_env()
 
 

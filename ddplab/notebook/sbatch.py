@@ -44,6 +44,7 @@ class BatchOptions(NamedTuple):
     partition: str | None = None
     launcher: str = "srun"
     python: str = sys.executable  # the notebook's kernel's Python, which has torch and ddplab
+    warn_s: int = 90  # SIGUSR1 this long before the time limit (ddplab.Resumable saves, requeues); 0: none
 
 
 def check(opts: BatchOptions) -> BatchOptions:
@@ -61,6 +62,8 @@ def check(opts: BatchOptions) -> BatchOptions:
                          "each rank takes one GPU, so give as many ranks as GPUs per node")
     if per_node < 1:
         raise ValueError("--ntasks-per-node takes 1 or more")
+    if opts.warn_s < 0 or opts.warn_s > 65535:
+        raise ValueError(f"--warn-s {opts.warn_s}: Slurm's --signal takes 0 to 65535 seconds before the limit")
     return opts._replace(ntasks_per_node=per_node)
 
 
@@ -72,6 +75,7 @@ MAGIC_OPTIONS = [  # %ddp_export's options for the batch file
     ("--time", {"default": "00:30:00"}),
     ("--partition", {"default": None}),
     ("--launcher", {"default": "srun", "choices": LAUNCHERS, "help": "one task per rank, or per node"}),
+    ("--warn-s", {"type": int, "default": 90, "help": "SIGUSR1 this many s before the limit; 0: none"}),
 ]
 
 
@@ -95,7 +99,8 @@ def from_magic(args, world_size: int) -> BatchOptions | None:
     gpus = world_size if args.gpus_per_node is None else args.gpus_per_node
     per_node = args.ntasks_per_node or (None if gpus else world_size)
     try:
-        return check(BatchOptions(args.nodes, gpus, per_node, args.time, args.partition, args.launcher))
+        return check(BatchOptions(args.nodes, gpus, per_node, args.time, args.partition, args.launcher,
+                                  warn_s=args.warn_s))
     except ValueError as exc:
         raise UsageError(str(exc)) from None
 
@@ -130,10 +135,21 @@ def batch_text(script: str, opts: BatchOptions) -> str:
     lines.append(f"#SBATCH --time={opts.time}")
     if opts.partition:
         lines.append(f"#SBATCH --partition={opts.partition}")
+    lines.append("#SBATCH --output=%x-%j.out")
+    if opts.warn_s:
+        lines += [
+            f"# SIGUSR1 to every task {opts.warn_s} s before the time limit: a ddplab.Resumable loop then",
+            "# saves a checkpoint and requeues the job, which resumes from it (docs/hpc.md).",
+            f"#SBATCH --signal=USR1@{opts.warn_s}",
+        ]
     lines += [
-        "#SBATCH --output=%x-%j.out",
+        "# A requeued job (preempted, a node lost, or the checkpoint above) appends to its output.",
+        "#SBATCH --requeue",
+        "#SBATCH --open-mode=append",
         "",
         "set -euo pipefail",
+        'echo "=== job $SLURM_JOB_ID attempt $(( ${SLURM_RESTART_COUNT:-0} + 1 )) on $SLURM_JOB_NODELIST,' +
+        ' started $(date -u +%FT%TZ)"',
         "# The Python that has torch and ddplab (the notebook's kernel's); PYTHON=... sbatch overrides it.",
         f"PYTHON=${{PYTHON:-{shlex.quote(opts.python)}}}",
         f'SCRIPT="$SLURM_SUBMIT_DIR/{script}"',
@@ -142,7 +158,9 @@ def batch_text(script: str, opts: BatchOptions) -> str:
     if opts.launcher == "srun":
         lines += [
             "# One task per rank, Slurm's --label puts its rank in front of each line (\"0: ...\").",
-            'srun --label "$PYTHON" "$SCRIPT"',
+            "# --kill-on-bad-exit=1: a task that fails ends the others, and the job, at once;",
+            "# without it a hung rank holds every node until the time limit.",
+            'srun --kill-on-bad-exit=1 --label "$PYTHON" "$SCRIPT"',
         ]
     else:
         lines += [
@@ -152,8 +170,11 @@ def batch_text(script: str, opts: BatchOptions) -> str:
             "head_addr=$(scontrol show node \"$head_node\" | sed -n 's/.*NodeAddr=\\([^ ]*\\).*/\\1/p')",
             "port=$((20000 + SLURM_JOB_ID % 12000))",
             "# One torchrun per node; each starts this node's ranks and labels their lines.",
+            "# A failed rank ends its torchrun, and --kill-on-bad-exit=1 then the other nodes'.",
+            "# The agent ignores Slurm's SIGUSR1 (it would die of it); its ranks catch it.",
             "export TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE='[rank ${rank}] '",
-            'srun --ntasks-per-node=1 "$PYTHON" -m torch.distributed.run \\',
+            "srun --kill-on-bad-exit=1 --ntasks-per-node=1 bash -c 'trap \"\" USR1; exec \"$@\"' torchrun \\",
+            '    "$PYTHON" -m torch.distributed.run \\',
             f'    --nnodes="$SLURM_JOB_NUM_NODES" --nproc-per-node={per_node} \\',
             '    --rdzv-backend=c10d --rdzv-endpoint="$head_addr:$port" --rdzv-id="$SLURM_JOB_ID" \\',
             '    --tee=3 "$SCRIPT"',

@@ -1,0 +1,70 @@
+"""A job's endings in words: who never joined a timed-out collective, and a loop that resumes.
+
+Runs in one process (no group): the message ``stragglers.describe`` builds from every rank's
+published count, the store keys that keep jobs and attempts apart, and ``Resumable``'s
+checkpoint, written as lab 05 writes it and read back into a fresh model and optimizer. The
+same code in real Slurm jobs (a planted hang, a signalled job that requeues itself) is in
+tests/test_slurm.py.
+"""
+from __future__ import annotations
+
+import torch
+
+from ddplab.launch import requeue, stragglers
+
+
+def test_the_timeout_message_names_the_ranks_behind_their_node_and_last_collective():
+    seen = {0: (7, "all_reduce", "node n1, host a"), 1: (5, "broadcast", "node n2, host b"),
+            2: None, 3: (7, "all_reduce", "node n2, host b")}
+    text = stragglers.describe(0, 7, "all_reduce", seen, "Operation timed out!")
+    assert text.startswith("rank 0 timed out in all_reduce (its collective #7) waiting for its peers "
+                           "(Operation timed out!).")
+    assert "rank 1 (node n2, host b) never joined it: its last was #5 broadcast." in text
+    assert "rank 2 never joined it: it left no count in the store" in text
+    assert "rank 3" not in text  # it issued #7 too
+
+
+def test_when_every_rank_reached_the_collective_the_message_says_so():
+    seen = {0: (4, "all_reduce", "host a"), 1: (4, "all_gather", "host b")}
+    text = stragglers.describe(0, 4, "all_reduce", seen, "Timed out")
+    assert "Every rank issued a collective #4" in text and "rank 1: #4 all_gather (host b)" in text
+
+
+def test_jobs_and_attempts_use_their_own_keys():
+    one = stragglers.job_key({"SLURM_JOB_ID": "12"})
+    assert one != stragglers.job_key({"SLURM_JOB_ID": "13"})
+    assert one != stragglers.job_key({"SLURM_JOB_ID": "12", "SLURM_RESTART_COUNT": "1"})
+    assert stragglers.where({"SLURMD_NODENAME": "n2"}).startswith("node n2, host ")
+
+
+def test_a_checkpoint_resumes_the_loop_at_its_step_with_the_optimizer_state(tmp_path):
+    def fresh():
+        torch.manual_seed(0)
+        net = torch.nn.Linear(3, 1).double()
+        return net, torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)  # state to restore
+
+    def train(net, opt, run, stop_after=None):
+        for step in run.steps(6):
+            x = torch.randn(4, 3, generator=torch.Generator().manual_seed(step), dtype=torch.float64)
+            opt.zero_grad()
+            net(x).pow(2).mean().backward()
+            opt.step()
+            if step == stop_after:
+                run.step = step + 1
+                run.save()  # what a signalled loop does before it requeues
+                return
+
+    net, opt = fresh()
+    train(net, opt, requeue.Resumable(net, opt, path=None))  # no Slurm: a plain range
+    path = tmp_path / "job-1.ckpt.pt"
+    cut, cut_opt = fresh()
+    train(cut, cut_opt, requeue.Resumable(cut, cut_opt, path=path), stop_after=2)
+    assert sorted(torch.load(path, weights_only=True)) == ["model", "optimizer", "step"]
+    again, again_opt = fresh()
+    run = requeue.Resumable(again, again_opt, path=path)
+    assert run.step == 3
+    train(again, again_opt, run)
+    assert all(torch.equal(a, b) for a, b in zip(net.parameters(), again.parameters()))
+    assert requeue.default_path({}) is None
+    assert requeue.default_path({"SLURM_JOB_ID": "7", "SLURM_JOB_NAME": "lab",
+                                 "SLURM_SUBMIT_DIR": "/x"}).as_posix() == "/x/lab-7.ckpt.pt"
