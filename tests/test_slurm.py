@@ -264,17 +264,25 @@ def batch_file(folder: Path, script: str, text: str, **opts) -> Path:
 
 def test_a_hung_rank_ends_the_whole_job_within_the_collective_timeout(slurm, tmp_path):
     """Rank 1 sleeps where rank 0 all-reduces: rank 0's collective times out, its error names
-    rank 1, its node and the collective it never joined, and srun --kill-on-bad-exit ends the
-    job then, not at the 3-minute limit."""
-    batch_file(tmp_path, "hung.py", HUNG, time="3")
-    job = sbatch(slurm, tmp_path, "hung.sbatch")
-    state, ended = wait_for(slurm, job)
-    text = (tmp_path / f"hung-{job}.out").read_text()
-    assert state == "FAILED", text
-    waiting = float(re.search(r"^0: waiting from (\S+)$", text, re.M).group(1))
-    assert ended - waiting < HANG_S + 15, f"the job ended {ended - waiting:.1f} s after rank 0 began to wait"
-    assert "rank 0 timed out in all_reduce (its collective #3)" in text, text
-    assert "rank 1 (node n2, host " in text and "never joined it: its last was #2 broadcast" in text, text
+    rank 1, its node and the collective it never joined, and the job ends then, not at its
+    3-minute limit: srun --kill-on-bad-exit=1 around the ranks, and around the torchruns
+    (both jobs run at once)."""
+    jobs = {}
+    for launcher in ("srun", "torchrun"):
+        folder = tmp_path / launcher
+        folder.mkdir()
+        batch_file(folder, "hung.py", HUNG, time="3", launcher=launcher)
+        jobs[launcher] = (folder, sbatch(slurm, folder, "hung.sbatch"))
+    for launcher, (folder, job) in jobs.items():
+        state, ended = wait_for(slurm, job)
+        text = (folder / f"hung-{job}.out").read_text()
+        assert state == "FAILED", text
+        # "0: " from srun --label, "[rank 0] " from torchrun's prefix
+        waiting = float(re.search(r"^(?:0: |\[rank 0\] )waiting from (\S+)$", text, re.M).group(1))
+        assert ended - waiting < HANG_S + 15, (f"{launcher}: the job ended {ended - waiting:.1f} s after rank 0 "
+                                               f"began to wait\n{text[-3000:]}")
+        assert "rank 0 timed out in all_reduce (its collective #3)" in text, text
+        assert re.search(r"rank 1 \(node n[12], host .*\) never joined it: its last was #2 broadcast", text), text
 
 
 RESUME = """
