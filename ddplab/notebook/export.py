@@ -63,10 +63,11 @@ class Push(NamedTuple):
 class Recording:
     """What ran on a Cluster's ranks since they last started, in order."""
 
-    def __init__(self, world_size: int, backend: str = "auto", timeout: float = 60.0):
+    def __init__(self, world_size: int, backend: str = "auto", timeout: float = 60.0, ran_on: str = "gloo"):
         self.world_size = world_size
         self.backend = backend  # as the learner asked for it ("auto" stays "auto" on servers)
         self.timeout = timeout
+        self.ran_on = ran_on  # what the ranks took: gloo (CPU) or nccl
         self.entries: list[Cell | LeftOut | Push] = []
 
     def add_cell(self, filename: str, source: str, magic_line: str = "") -> None:
@@ -209,7 +210,7 @@ def script_text(rec: Recording, name: str = "train.py", side: str | None = None)
     pushes = [e for e in rec.entries if isinstance(e, Push)]
     saved = {p.detail: p.value for p in pushes if p.how == "saved"}
     side = side if saved else None
-    out = [_header(name, rec, side), "import ddplab", "import ddplab.launch.torchrun"]
+    out = [_header(name, rec, side), "import sys", "", "import ddplab", "import ddplab.launch.torchrun"]
     if saved:
         out.append("import os")
     if saved or any(p.how == "code" and p.detail.startswith("torch.") for p in pushes):
@@ -221,6 +222,9 @@ def script_text(rec: Recording, name: str = "train.py", side: str | None = None)
         "# The names every %%ddp cell found defined on its rank:",
         "rank, local_rank, world_size, device = (_ddp_env.rank, _ddp_env.local_rank,",
         "                                        _ddp_env.world_size, _ddp_env.device)",
+        f"if world_size != {rec.world_size} and rank == 0:  # the numbers then differ from the notebook's",
+        f"    print(f'ddplab: this run has {{world_size}} ranks, the notebook had {rec.world_size}: its batches, "
+        "averages and printed numbers differ from the notebook\\'s', file=sys.stderr)",
     ]
     if saved:
         out += [f"_ddp_pushed = torch.load(os.path.join(os.path.dirname(os.path.abspath(__file__)), "

@@ -137,7 +137,7 @@ class DDPMagics(Magics):
         cluster.run(ddpcell.prepare)
         cluster.on_display = self._show_display
         self.cluster_pids = cluster.pids
-        self.recording = export.Recording(cluster.world_size, self._backend, cluster.timeout)
+        self.recording = export.Recording(cluster.world_size, self._backend, cluster.timeout, cluster.backend)
 
     def _show_display(self, rank: int, payload: dict) -> None:
         rankview.show_display(rank, payload, self.cluster.world_size, self._shown_ranks)
@@ -275,7 +275,8 @@ class DDPMagics(Magics):
             raise UsageError("usage: %ddp_export FILE.py [--sbatch --nodes N --gpus-per-node G ...]")
         if self.recording is None or not self.recording.entries:
             raise UsageError("nothing to export: no %%ddp cell has run since the ranks started")
-        opts = sbatch.from_magic(args, self.recording.world_size)  # None without --sbatch
+        rec = self.recording  # the job's shape is checked against the notebook's, before any file
+        opts = sbatch.from_magic(args, rec.world_size, rec.ran_on, rec.backend)  # None without --sbatch
         export.write_script(path, self.recording)
         print(export.export_hint(path, self.recording))
         if opts is not None:

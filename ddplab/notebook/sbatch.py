@@ -59,7 +59,8 @@ def check(opts: BatchOptions) -> BatchOptions:
     per_node = opts.ntasks_per_node or opts.gpus_per_node or 1
     if opts.gpus_per_node and per_node != opts.gpus_per_node:
         raise ValueError(f"--ntasks-per-node {per_node} with --gpus-per-node {opts.gpus_per_node}: "
-                         "each rank takes one GPU, so give as many ranks as GPUs per node")
+                         "each rank takes one GPU, so give as many ranks as GPUs per node; for a CPU "
+                         "job pass --gpus-per-node 0 (then --ntasks-per-node is the ranks per node)")
     if per_node < 1:
         raise ValueError("--ntasks-per-node takes 1 or more")
     if opts.warn_s < 0 or opts.warn_s > 65535:
@@ -76,6 +77,8 @@ MAGIC_OPTIONS = [  # %ddp_export's options for the batch file
     ("--partition", {"default": None}),
     ("--launcher", {"default": "srun", "choices": LAUNCHERS, "help": "one task per rank, or per node"}),
     ("--warn-s", {"type": int, "default": 90, "help": "SIGUSR1 this many s before the limit; 0: none"}),
+    ("--other-world-size", {"action": "store_true", "help": "run at another number of ranks than the notebook"}),
+    ("--on-gpus", {"action": "store_true", "help": "GPUs for a notebook that ran on the CPU (auto backend)"}),
 ]
 
 
@@ -88,21 +91,50 @@ def magic_options(fn):
     return fn
 
 
-def from_magic(args, world_size: int) -> BatchOptions | None:
-    """The options of ``%ddp_export --sbatch`` (None without --sbatch): by default one node with
-    the notebook's ranks, one GPU each; ``--gpus-per-node 0`` makes a CPU job
-    (``--ntasks-per-node`` ranks per node). A UsageError says what Slurm would refuse."""
+def from_magic(args, world_size: int, ran_on: str = "gloo", asked: str = "auto") -> BatchOptions | None:
+    """The options of ``%ddp_export --sbatch`` (None without --sbatch). The defaults follow the
+    notebook: one node with its ranks, one GPU each where they ran on GPUs (``ran_on`` nccl),
+    none where they ran on the CPU (``--ntasks-per-node`` ranks per node). A UsageError says
+    what Slurm would refuse, and refuses a job of another world size than the notebook's
+    (``--other-world-size`` allows it) and GPUs for a notebook that ran on the CPU."""
     from IPython.core.error import UsageError
 
     if not args.sbatch:
         return None
-    gpus = world_size if args.gpus_per_node is None else args.gpus_per_node
-    per_node = args.ntasks_per_node or (None if gpus else world_size)
+    on_gpus = ran_on == "nccl"
+    gpus = (world_size if on_gpus else 0) if args.gpus_per_node is None else args.gpus_per_node
+    if gpus and not on_gpus and not (args.on_gpus and asked == "auto"):
+        raise UsageError(_cpu_notebook_gpus(gpus, asked))
+    per_node = args.ntasks_per_node or (None if gpus else (world_size + args.nodes - 1) // args.nodes)
     try:
-        return check(BatchOptions(args.nodes, gpus, per_node, args.time, args.partition, args.launcher,
+        opts = check(BatchOptions(args.nodes, gpus, per_node, args.time, args.partition, args.launcher,
                                   warn_s=args.warn_s))
     except ValueError as exc:
         raise UsageError(str(exc)) from None
+    ranks = opts.nodes * opts.ntasks_per_node
+    if ranks != world_size and not args.other_world_size:
+        raise UsageError(
+            f"the job would have {ranks} ranks ({opts.nodes} node(s) x {opts.ntasks_per_node}), the notebook "
+            f"had {world_size}: each rank's batches and the averages would differ, and so would every "
+            f"number the script prints. Ask for {world_size} ranks (e.g. {_shape_for(world_size, gpus)}), "
+            "or add --other-world-size to run at another size on purpose.")
+    return opts
+
+
+def _shape_for(world_size: int, gpus: int) -> str:
+    if gpus:
+        return f"--nodes 1 --gpus-per-node {world_size}"
+    return f"--nodes 1 --gpus-per-node 0 --ntasks-per-node {world_size}"
+
+
+def _cpu_notebook_gpus(gpus: int, asked: str) -> str:
+    text = (f"--gpus-per-node {gpus}: the notebook's ranks ran on the CPU (gloo), so the job would hold "
+            f"{gpus} GPU(s) per node that the script does not use (and where the nodes have none, sbatch "
+            "says 'Invalid generic resource'). Pass --gpus-per-node 0 for a CPU job (--ntasks-per-node "
+            "then gives its ranks per node)")
+    if asked == "auto":
+        return text + ", or add --on-gpus to run the script on GPU nodes (its backend 'auto' then takes nccl)."
+    return text + f"; the notebook asked for backend {asked!r}, which the script asks for too."
 
 
 def hint(batch: Path, opts: BatchOptions) -> str:
