@@ -346,3 +346,18 @@ def test_a_signalled_job_saves_requeues_and_resumes_to_the_uninterrupted_weights
     a = torch.load(tmp_path / f"weights-{straight}.pt")
     b = torch.load(tmp_path / f"weights-{cut}.pt")
     assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+
+
+def test_srun_starting_two_torchruns_per_node_is_refused_and_ends_the_job(slurm, tmp_path):
+    """2 tasks per node, each a torchrun: the workers that start refuse in words naming
+    srun --ntasks-per-node=1, and --kill-on-bad-exit ends the agents still waiting."""
+    (tmp_path / "join.py").write_text("import ddplab\nddplab.init_from_env()\nprint('joined')\n")
+    torchrun = (f"{sys.executable} -m torch.distributed.run --nnodes=2 --nproc-per-node=1 "
+                "--rdzv-backend=c10d --rdzv-endpoint=127.0.0.1:$((20000 + SLURM_JOB_ID % 12000)) "
+                "--rdzv-id=$SLURM_JOB_ID join.py")
+    job = sbatch(slurm, tmp_path, "--nodes=2", "--ntasks-per-node=2", "--time=3", "-o", "two.out",
+                 "--wrap", f"srun --kill-on-bad-exit=1 {torchrun}")
+    state, _ = wait_for(slurm, job)
+    text = (tmp_path / "two.out").read_text()
+    assert state == "FAILED" and "joined" not in text, text
+    assert "srun started 2 tasks on this node and each runs torchrun" in text, text
