@@ -68,3 +68,24 @@ def test_a_checkpoint_resumes_the_loop_at_its_step_with_the_optimizer_state(tmp_
     assert requeue.default_path({}) is None
     assert requeue.default_path({"SLURM_JOB_ID": "7", "SLURM_JOB_NAME": "lab",
                                  "SLURM_SUBMIT_DIR": "/x"}).as_posix() == "/x/lab-7.ckpt.pt"
+
+
+def test_a_rank_that_reaches_another_jobs_store_is_refused_naming_both_jobs():
+    import datetime
+
+    import pytest
+    import torch.distributed as dist
+
+    from ddplab.launch import jobstore
+    from ddplab.launch.schedulers import TorchrunEnvError
+
+    limit = datetime.timedelta(seconds=10)
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=limit)
+    jobstore.claim(server, 0, "SLURM_JOB_ID=41", limit)  # job 41's rank 0 holds the port
+    client = dist.TCPStore("127.0.0.1", server.port, is_master=False, timeout=limit)
+    jobstore.claim(client, 1, "SLURM_JOB_ID=41", limit)  # its own rank joins
+    with pytest.raises(TorchrunEnvError, match=r"rank 1 of SLURM_JOB_ID=12041 reached the rendezvous store "
+                                               r".* but it belongs to SLURM_JOB_ID=41(.|\n)*MASTER_PORT"):
+        jobstore.claim(client, 1, "SLURM_JOB_ID=12041", limit)
+    with pytest.raises(TorchrunEnvError, match="belongs to SLURM_JOB_ID=41"):  # a second rank 0 too
+        jobstore.claim(client, 0, "SLURM_JOB_ID=12041", limit)

@@ -361,3 +361,23 @@ def test_srun_starting_two_torchruns_per_node_is_refused_and_ends_the_job(slurm,
     text = (tmp_path / "two.out").read_text()
     assert state == "FAILED" and "joined" not in text, text
     assert "srun started 2 tasks on this node and each runs torchrun" in text, text
+
+
+def test_a_taken_port_is_said_at_start_up_with_what_to_set(slurm, tmp_path):
+    """Something listens on the port ddplab derives from the job id: rank 0 says which port,
+    on which host, and to export MASTER_PORT; the job ends then (--kill-on-bad-exit)."""
+    batch_file(tmp_path, "join.py", "import ddplab\nddplab.init_from_env()\nprint('joined', flush=True)\n",
+               time="3")
+    job = sbatch(slurm, tmp_path, "--hold", "join.sbatch")
+    port = 20000 + int(job) % 12000
+    with socket.socket() as taken:
+        taken.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        taken.bind(("", port))
+        taken.listen()
+        slurm.run(["scontrol", "release", job])
+        state, _ = wait_for(slurm, job)
+    text = (tmp_path / f"join-{job}.out").read_text()
+    assert state == "FAILED" and "joined" not in text, text
+    assert (f"rank 0 cannot listen on port {port} on {socket.gethostname()}: the port ddplab derived "
+            "from the job id (20000 + SLURM_JOB_ID % 12000) is taken there") in text, text
+    assert "export MASTER_PORT=<free port>" in text, text

@@ -57,7 +57,7 @@ import os
 import sys
 from typing import NamedTuple
 
-from ddplab.launch import requeue, schedulers, stragglers
+from ddplab.launch import jobstore, requeue, schedulers, stragglers
 from ddplab.launch.schedulers import TorchrunEnvError
 from ddplab.pg import backend as rank_backend
 from ddplab.placement import resources
@@ -125,6 +125,7 @@ def init_from_env(backend: str = "auto", timeout: float | None = None,
     divided by the ranks on it, overriding torchrun's OMP_NUM_THREADS=1.
     Calling it again in the same process returns the same DistEnv.
     """
+    port_set = bool(os.environ.get("MASTER_PORT"))  # by the user (or torchrun), not derived from the job
     launcher = schedulers.adopt()  # Slurm's or Open MPI's variables, as torchrun's (when RANK is not set)
     if launcher == "slurm" or os.environ.get("SLURM_JOB_ID"):
         # Slurm's warning before the time limit (the batch file's --signal=USR1@90) would
@@ -148,12 +149,11 @@ def init_from_env(backend: str = "auto", timeout: float | None = None,
     os.environ.setdefault("GLOO_SOCKET_IFNAME", interface_towards(os.environ["MASTER_ADDR"]))
     # env:// opens the store at MASTER_ADDR/MASTER_PORT (torchrun's agent store, or one
     # rank 0 hosts), with the start-up limit: the nodes meet there before the group starts.
-    from torch.distributed.rendezvous import rendezvous
-
     from ddplab.pg.inner import startup_timeout
 
-    store, _, _ = next(rendezvous("env://", env["rank"], env["world_size"],
-                                  timeout=startup_timeout(timeout)))
+    # a taken port said in words; another job's store refused (jobstore.py)
+    store = jobstore.open_store(env["rank"], env["world_size"], startup_timeout(timeout),
+                                env["master_port"], port_set)
     backend = publish_and_agree(store, env["rank"], env["world_size"], asked, could,
                                 startup_timeout(timeout))
     # Under nccl the group also serves CPU tensors through gloo (pg/backend.py).
