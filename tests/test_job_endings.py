@@ -89,3 +89,19 @@ def test_a_rank_that_reaches_another_jobs_store_is_refused_naming_both_jobs():
         jobstore.claim(client, 1, "SLURM_JOB_ID=12041", limit)
     with pytest.raises(TorchrunEnvError, match="belongs to SLURM_JOB_ID=41"):  # a second rank 0 too
         jobstore.claim(client, 0, "SLURM_JOB_ID=12041", limit)
+
+
+def test_an_export_names_each_cell_left_out_and_refuses_zero_cells():
+    from ddplab.notebook import export
+
+    rec = export.Recording(2)
+    assert "no %%ddp cell has run" in export.nothing_to_export(rec)
+    rec.add_left_out("<ddp-cell-3>", "rank 0 raised KeyError: 'SLURM_JOB_ID'")
+    why = export.nothing_to_export(rec)  # only a cell that raised: no script, no batch file
+    assert why.startswith("nothing to export: every %%ddp cell since the ranks started raised")
+    assert "<ddp-cell-3>: rank 0 raised KeyError: 'SLURM_JOB_ID'" in why
+    rec.add_cell("<ddp-cell-4>", "x = rank")
+    assert export.nothing_to_export(rec) is None
+    hint = export.export_hint("t.py", rec)
+    assert "1 cell(s), 0 push(es), 1 failed cell(s) left out" in hint
+    assert "Left out: <ddp-cell-3> raised in the notebook (rank 0 raised KeyError: 'SLURM_JOB_ID')" in hint

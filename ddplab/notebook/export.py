@@ -266,8 +266,24 @@ def write_script(path, rec: Recording) -> list[Path]:
 
 
 def export_hint(path, rec: Recording) -> str:
-    """One line for the learner: what was written and the command to run it."""
-    left = rec.count(LeftOut)
-    return (f"Wrote {os.fspath(path)}: {rec.count(Cell)} cell(s), {rec.count(Push)} push(es)"
-            + (f", {left} failed cell(s) left out" if left else "")
+    """What was written and the command to run it; then each cell left out, and why."""
+    left = [e for e in rec.entries if isinstance(e, LeftOut)]
+    text = (f"Wrote {os.fspath(path)}: {rec.count(Cell)} cell(s), {rec.count(Push)} push(es)"
+            + (f", {len(left)} failed cell(s) left out" if left else "")
             + f". Run it with: torchrun --nproc-per-node={rec.world_size} {Path(path).name}")
+    for entry in left:  # the script lacks what these cells would have done: say so where it is seen
+        text += (f"\nLeft out: {entry.filename} raised in the notebook ({entry.why}); the script runs "
+                 "without it. Fix the cell and run it again before exporting if the rest needs it.")
+    return text
+
+
+def nothing_to_export(rec: Recording | None) -> str | None:
+    """Why there is no script to write (None: there is one)."""
+    if rec is None or not rec.entries:
+        return "nothing to export: no %%ddp cell has run since the ranks started"
+    if rec.count(Cell) == 0:
+        left = [e for e in rec.entries if isinstance(e, LeftOut)]
+        return ("nothing to export: every %%ddp cell since the ranks started raised, so none is in "
+                "the recording" + "".join(f"\n  {e.filename}: {e.why}" for e in left)
+                + "\nFix them, run them again, then export.")
+    return None

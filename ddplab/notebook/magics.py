@@ -273,8 +273,9 @@ class DDPMagics(Magics):
         path = os.path.expanduser(args.file)
         if not path.endswith(".py"):
             raise UsageError("usage: %ddp_export FILE.py [--sbatch --nodes N --gpus-per-node G ...]")
-        if self.recording is None or not self.recording.entries:
-            raise UsageError("nothing to export: no %%ddp cell has run since the ranks started")
+        why = export.nothing_to_export(self.recording)  # no script, and no batch file, for zero cells
+        if why:
+            raise UsageError(why)
         rec = self.recording  # the job's shape is checked against the notebook's, before any file
         opts = sbatch.from_magic(args, rec.world_size, rec.ran_on, rec.backend)  # None without --sbatch
         export.write_script(path, self.recording)
