@@ -8,6 +8,7 @@ tests/test_slurm.py.
 """
 from __future__ import annotations
 
+import pytest
 import torch
 
 from ddplab.launch import requeue, stragglers
@@ -73,7 +74,6 @@ def test_a_checkpoint_resumes_the_loop_at_its_step_with_the_optimizer_state(tmp_
 def test_a_rank_that_reaches_another_jobs_store_is_refused_naming_both_jobs():
     import datetime
 
-    import pytest
     import torch.distributed as dist
 
     from ddplab.launch import jobstore
@@ -105,3 +105,39 @@ def test_an_export_names_each_cell_left_out_and_refuses_zero_cells():
     hint = export.export_hint("t.py", rec)
     assert "1 cell(s), 0 push(es), 1 failed cell(s) left out" in hint
     assert "Left out: <ddp-cell-3> raised in the notebook (rank 0 raised KeyError: 'SLURM_JOB_ID')" in hint
+
+
+FINISH = """
+import ddplab
+import ddplab.launch.torchrun
+
+
+def train():  # as submitit calls a function: it must get the value back
+    env = ddplab.init_from_env(timeout=30)
+    ddplab.launch.torchrun.finish()
+    return 40 + env.world_size + 1
+
+
+print("result", train(), flush=True)
+ddplab.launch.torchrun.finish()  # the script's end: the process exits here
+print("after the end", flush=True)
+"""
+
+
+@pytest.mark.more
+def test_finish_returns_to_a_caller_and_exits_only_at_the_scripts_end(tmp_path):
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    (tmp_path / "job.py").write_text(FINISH)
+    env = dict(os.environ, RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+               MASTER_PORT=str(port))
+    done = subprocess.run([sys.executable, str(tmp_path / "job.py")], env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines() == ["result 42"], done.stdout + done.stderr

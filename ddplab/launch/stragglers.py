@@ -176,4 +176,16 @@ def watch(group, rank: int, world_size: int, addr: str, port: int) -> Progress |
     store = dist.TCPStore(addr, port, is_master=False, timeout=datetime.timedelta(seconds=60))
     progress = Progress(store, rank, world_size)
     group.observers.append(progress)  # for the whole run: no block to leave
+    RUNNING.append(progress)
     return progress
+
+
+RUNNING: list[Progress] = []
+
+
+def stop_all() -> None:
+    """Stop this process's publishing threads (before its group and store go)."""
+    while RUNNING:
+        progress = RUNNING.pop()
+        progress.stop()
+        progress.thread.join(timeout=2 * PUBLISH_S)

@@ -294,26 +294,40 @@ def publish_names(namespace: dict) -> None:
                      device=env.device)
 
 
-def finish(code: int = 0) -> None:
+def finish(code: int = 0, exit: bool | None = None) -> None:
     """End a torchrun script: wait for every rank, leave the group, exit now.
 
     Exiting through the interpreter's teardown with a live gloo group can
     abort the process ("terminate called without an active exception"), and
     torchrun would report the run as failed. So the rank destroys the group
     and leaves by ``os._exit``, as the Cluster's ranks do.
+
+    That exit is only for the script's end: ``exit=None`` exits when called at
+    the top level of the ``__main__`` script (the exported script's last line)
+    and otherwise returns once the group is gone, so that a caller (submitit's
+    runner, a function of yours) gets its result back. ``exit=True``/``False``
+    decides it yourself.
     """
     import torch.distributed as dist
 
+    if exit is None:
+        caller = sys._getframe(1)
+        exit = caller.f_code.co_name == "<module>" and caller.f_globals.get("__name__") == "__main__"
+    failure = None
     try:
         sys.stdout.flush()
         sys.stderr.flush()
+        stragglers.stop_all()  # its thread uses the store the group is about to drop
         if dist.is_initialized():
             dist.barrier()  # nobody tears down while a peer still needs it
             dist.destroy_process_group()
     except BaseException as exc:  # noqa: BLE001 - report, then still leave without teardown
         print(f"ddplab.launch.torchrun.finish: {type(exc).__name__}: {exc}", file=sys.stderr)
-        code = code or 1
+        code, failure = code or 1, exc
     finally:
         sys.stdout.flush()
         sys.stderr.flush()
-        os._exit(code)
+        if exit:
+            os._exit(code)
+    if failure is not None:
+        raise failure
