@@ -226,6 +226,14 @@ def test_ddplab_record_in_the_job_writes_its_timeline(slurm, notebook):
     assert job_run.meta["logged_bucket_sizes"] == notebook_run.meta["logged_bucket_sizes"]
     trace = json.loads((folder / "run.trace.json").read_text())
     assert any(e.get("ph") == "X" for e in trace["traceEvents"])
+    # each rank's job, node and host, in the JSON and on the page
+    ranks = job_run.meta["ranks"]
+    host = socket.gethostname()
+    job = ranks[0]["job"]
+    assert job.isdigit() and ranks == [{"rank": 0, "job": job, "node": "n1", "host": host},
+                                       {"rank": 1, "job": job, "node": "n2", "host": host}]
+    assert (f"ran as job {job}: rank 0 on node n1 (host {host}); rank 1 on node n2 (host {host})."
+            in (folder / "run.html").read_text())
 
 
 def test_the_mistakes_are_refused_in_words_inside_a_real_job(slurm, tmp_path):

@@ -43,6 +43,22 @@ def job_id(environ=None) -> str:
     return "no job id"
 
 
+def place(environ=None) -> dict:
+    """Where this process runs, for recordings: its job (None outside one), Slurm's name for
+    its node (None outside Slurm) and its host name."""
+    environ = os.environ if environ is None else environ
+    job = environ.get("SLURM_JOB_ID") or environ.get("TORCHELASTIC_RUN_ID")
+    return {"job": job, "node": environ.get("SLURMD_NODENAME"), "host": socket.gethostname()}
+
+
+def place_words(ranks: list) -> str:
+    """``[{"rank": 0, "job": ..., "node": ..., "host": ...}, ...]`` as one line for a page."""
+    jobs = sorted({r["job"] for r in ranks if r.get("job")})
+    where = "; ".join(f"rank {r['rank']} on " + (f"node {r['node']} (host {r['host']})" if r.get("node")
+                                                 else f"host {r['host']}") for r in ranks)
+    return (f"job {', '.join(jobs)}: " if jobs else "") + where
+
+
 def taken_message(port: int, chosen_by_user: bool, host: str | None = None) -> str:
     host = host or socket.gethostname()
     if chosen_by_user:
