@@ -141,3 +141,23 @@ def test_finish_returns_to_a_caller_and_exits_only_at_the_scripts_end(tmp_path):
                           text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert done.stdout.splitlines() == ["result 42"], done.stdout + done.stderr
+
+
+def test_every_lab_that_trains_says_whether_and_how_it_exports():
+    """Lab 01's %%ddp cells export (and it says how); the labs that train through ddplab's
+    functions say that %ddp_export has nothing to write there, and what to do instead."""
+    from pathlib import Path
+
+    import nbformat
+
+    labs = sorted((Path(__file__).resolve().parents[1] / "labs").glob("[0-9][0-9]-*.ipynb"))
+    for lab in labs:
+        if lab.name.startswith("00-"):  # one all-reduce: nothing trains
+            continue
+        cells = nbformat.read(lab, as_version=4).cells
+        ddp = [c for c in cells if c.cell_type == "code" and c.source.startswith("%%ddp")]
+        says = " ".join(c.source for c in cells if c.cell_type == "markdown")
+        if ddp:
+            assert "%ddp_export" in says, lab.name
+        else:
+            assert "**Exporting this lab.**" in says and "`%ddp_export` has nothing to write here" in says, lab.name
