@@ -102,6 +102,8 @@ def test_an_export_names_each_cell_left_out_and_refuses_zero_cells():
     assert "<ddp-cell-3>: rank 0 raised KeyError: 'SLURM_JOB_ID'" in why
     rec.add_cell("<ddp-cell-4>", "x = rank")
     assert export.nothing_to_export(rec) is None
+    script, _ = export.script_text(rec)  # a run at another world size says so at its start
+    assert "if world_size != 2 and rank == 0:" in script and "the notebook had 2" in script
     hint = export.export_hint("t.py", rec)
     assert "1 cell(s), 0 push(es), 1 failed cell(s) left out" in hint
     assert "Left out: <ddp-cell-3> raised in the notebook (rank 0 raised KeyError: 'SLURM_JOB_ID')" in hint

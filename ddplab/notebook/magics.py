@@ -22,7 +22,8 @@ is asked).
     %ddp_pull NAME                         every rank -> kernel: a list by rank
     %ddp_status                            pids, devices, memory, jobs
     %ddp_stop
-    %ddp_export FILE.py [--sbatch --nodes N --gpus-per-node G --time T --partition P]
+    %ddp_export FILE.py [--sbatch --nodes N --gpus-per-node G --time T --partition P
+                        --launcher srun|torchrun --warn-s S --other-world-size --on-gpus]
 
 How a cell runs: the kernel compiles it (a syntax error never reaches the
 ranks) under a file name like ``<ddp-cell-7>`` that it also puts in its own

@@ -16,13 +16,24 @@ of two ways:
   torchrun's own features (``--max-restarts``, its error files), or sites
   whose ``srun`` cannot start several tasks per node.
 
+Either way the job fails fast and survives its time limit: ``srun
+--kill-on-bad-exit=1`` ends every task when one fails (a hung rank would
+otherwise hold the nodes until the limit); ``--signal=USR1@90`` warns the
+ranks before the limit, ``--requeue`` and ``--open-mode=append`` let a
+``ddplab.Resumable`` loop save, requeue and resume into the same output file,
+where each attempt's first line marks it (launch/requeue.py). The options are
+checked against the notebook before anything is written: its world size
+(``--other-world-size`` to differ on purpose) and its backend (no GPUs for a
+notebook whose ranks ran on the CPU unless ``--on-gpus``).
+
 Leaves out: ``--cpus-per-task`` and ``--mem`` (the site's defaults; the
 threads per rank follow the CPUs the task may use), accounts and QOS,
-containers (``srun --container-image``), job arrays, and module loads: add
-them to the batch file by hand where your site asks for them.
+containers (``srun --container-image``), job arrays (docs/hpc.md shows one), and module
+loads: add them to the batch file by hand where your site asks for them.
 
 References: Slurm's sbatch(1) and srun(1) manual pages (``--gpus-per-node``,
-``--ntasks-per-node``, ``--label``, ``%x``/``%j`` in ``--output``);
+``--ntasks-per-node``, ``--label``, ``%x``/``%j`` in ``--output``, ``--signal``,
+``--requeue``, ``--open-mode``, ``--kill-on-bad-exit``);
 torch's elastic/run.html (``--rdzv-backend=c10d``).
 """
 from __future__ import annotations
