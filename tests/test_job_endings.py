@@ -163,3 +163,28 @@ def test_every_lab_that_trains_says_whether_and_how_it_exports():
             assert "%ddp_export" in says, lab.name
         else:
             assert "**Exporting this lab.**" in says and "`%ddp_export` has nothing to write here" in says, lab.name
+
+
+def test_progress_published_in_a_real_store_names_the_rank_behind_on_a_timeout():
+    """Two ranks' Progress on one TCPStore (in one process): rank 1 stops after two collectives,
+    rank 0 times out in its third and raises NeverJoined naming rank 1 and its last one."""
+    import datetime
+
+    import torch.distributed as dist
+
+    limit = datetime.timedelta(seconds=10)
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=limit)
+    ranks = [stragglers.Progress(server, r, 2, prefix="ddplab/progress/test") for r in (0, 1)]
+    try:
+        for op in ("all_reduce", "broadcast"):
+            for p in ranks:
+                p.launched(op, [], None, None)
+        token = ranks[0].launched("all_reduce", [], None, None)
+        with pytest.raises(stragglers.NeverJoined, match=r"rank 0 timed out in all_reduce \(its collective #3\)"
+                                                         r"(.|\n)*rank 1 \(host .*\) never joined it: its last "
+                                                         r"was #2 broadcast"):
+            ranks[0].failed(token, RuntimeError("Operation timed out!"))
+        ranks[0].failed(token, RuntimeError("Connection closed by peer"))  # not a timeout: not ours to explain
+    finally:
+        for p in ranks:
+            p.stop()

@@ -76,6 +76,7 @@ class Progress:
         self.count, self.op = 0, "none yet"
         self.lock = threading.Lock()  # one store client, two threads
         self.published = -1
+        self.unreadable = False
         self.stopped = threading.Event()
         self.publish()
         self.thread = threading.Thread(target=self._loop, name="ddplab-progress", daemon=True)
@@ -130,12 +131,19 @@ class Progress:
                         continue
                     count, op, place = self.store.get(key).decode().split("|", 2)
                     seen[r] = (int(count), op, place)
-                except Exception:
+                except Exception:  # the store's host (rank 0 under srun) may be gone
                     seen[r] = None
+                    self.unreadable = True
         return seen
 
     def explain(self, number: int, op: str, exc: BaseException) -> str:
-        return describe(self.rank, number, op, self.others(), first_line(exc))
+        self.unreadable = False
+        text = describe(self.rank, number, op, self.others(), first_line(exc))
+        if self.unreadable:
+            text += ("\nThe rendezvous store could not be read for some ranks: the process that hosts it "
+                     "(rank 0 under srun, the first node's torchrun) may have ended, so those ranks' "
+                     "counts are unknown.")
+        return text
 
     def stop(self) -> None:
         self.stopped.set()
