@@ -113,6 +113,9 @@ test-hub: $(STAMP)
 # slurmctld and two emulated nodes on 127.0.0.1, started and stopped by the test. A lab's cells
 # exported with %ddp_export --sbatch run as 2-node jobs (srun, and torchrun per node) and must
 # print the notebook's numbers; ddplab.record in the job writes its timeline (docs/hpc.md).
+# Also: a planted hang ends its job within the collective timeout, a signalled job requeues
+# itself and resumes to the uninterrupted weights, two torchruns per node and a taken port
+# fail in words. Jobs are followed by polling scontrol (sbatch --wait polls every ~30 s).
 test-slurm: $(STAMP)
 	DDPLAB_SLURM_TEST=1 $(call pytest_or_say_empty,-q tests/launchers/test_slurm.py)
 

@@ -6,6 +6,7 @@ torch's own DDP on recorded timelines. See README.md and labs/.
 """
 from ddplab.cluster import Cluster, ClusterError, CollectiveTimeout, JobTimeout, RankDied, RankError, launch
 from ddplab.course.labsetup import lab_world_size, runs_here
+from ddplab.launchers.requeue import Resumable
 from ddplab.launchers.torchrun import init_from_env
 from ddplab.pg.backend import backend_name, device
 from ddplab.sync.registry import build_strategy, register_strategy, strategy_names
@@ -13,7 +14,7 @@ from ddplab.sync.your_code import as_strategy
 
 __version__ = "0.1.0"
 __all__ = ["Cluster", "launch", "ClusterError", "CollectiveTimeout", "JobTimeout", "RankDied",
-           "RankError", "average_gradients", "OverlapDDP", "BucketedDDP", "init_from_env",
+           "RankError", "average_gradients", "OverlapDDP", "BucketedDDP", "init_from_env", "Resumable",
            "register_strategy", "as_strategy", "build_strategy", "strategy_names", "device", "backend_name",
            "lab_world_size", "runs_here", "record", "view"]
 __all__ += ["ShardedOptimizer", "FSDP"]

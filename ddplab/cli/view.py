@@ -20,11 +20,14 @@ from pathlib import Path
 
 def runs_page(path, timelines: dict, title: str = "ddplab: saved runs") -> str:
     """Write the page for ``{label: Timeline}`` (what ``ddplab.record(..., out=)`` writes)."""
+    from ddplab.launchers.jobstore import place_words
     from ddplab.timeline.metrics import summarize
     from ddplab.widgets.html import compare_report
 
     notes = [f"{name}: {tl.meta['comm_not_measured']}" for name, tl in timelines.items()
              if tl.meta.get("comm_not_measured")]
+    notes += [f"{name} ran as {place_words(tl.meta['ranks'])}." for name, tl in timelines.items()
+              if any(r.get("job") or r.get("node") for r in tl.meta.get("ranks", ()))]  # a job's ranks: where
     html = compare_report(timelines, {name: summarize(tl) for name, tl in timelines.items()}, title)
     if notes:  # said at the top of the page, not only in the JSON
         html = html.replace("<body>", "<body><p><b>" + " ".join(notes) + "</b></p>", 1)

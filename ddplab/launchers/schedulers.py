@@ -29,8 +29,9 @@ describe mpirun's own daemons), else Slurm's. A variable you set yourself
 Refused in words: the batch script itself running the training (Slurm's
 batch step is one process: start the tasks with ``srun``), a step of one task
 in a job of several nodes or GPUs (``srun -n 1 python train.py`` without
-torchrun), and tasks that do not match the node's GPUs (SLURM_GPUS_ON_NODE:
-one task per GPU).
+torchrun), tasks that do not match the node's GPUs (SLURM_GPUS_ON_NODE:
+one task per GPU), and srun starting more than one torchrun on a node (each
+would start the node's ranks again).
 
 Leaves out: other MPIs (MPICH/PMI's PMI_RANK), ``srun --distribution=arbitrary``
 (task 0 then need not be on the first node: set MASTER_ADDR), and
@@ -71,12 +72,29 @@ def adopt(environ=None) -> str:
 def torchrun_variables(environ) -> tuple[str, dict[str, str]]:
     """(launcher, the torchrun variables its variables give) for an environment dict."""
     if environ.get("RANK"):
+        _one_torchrun_per_node(environ)
         return "torchrun", {}
     if environ.get("OMPI_COMM_WORLD_RANK"):
         return "openmpi", _from_openmpi(environ)
     if environ.get("SLURM_PROCID"):
         return "slurm", _from_slurm(environ)
     return "none", {}
+
+
+def _one_torchrun_per_node(environ) -> None:
+    """Refuse srun starting several torchruns on one node: each starts LOCAL_WORLD_SIZE ranks
+    there, and their rendezvous mixes agents of several tasks (some then fail far away)."""
+    per_node = environ.get("SLURM_STEP_TASKS_PER_NODE")
+    if not (environ.get("TORCHELASTIC_RUN_ID") and environ.get("SLURM_STEP_ID") and per_node):
+        return
+    here = tasks_on_node(per_node, int(environ.get("SLURM_NODEID") or 0))
+    if here > 1:
+        raise TorchrunEnvError(
+            f"srun started {here} tasks on this node and each runs torchrun: {here} torchruns here start "
+            f"{here} x --nproc-per-node ranks and meet other tasks' agents at one rendezvous. Start one "
+            "torchrun per node: `srun --ntasks-per-node=1 torchrun --nnodes=$SLURM_JOB_NUM_NODES "
+            "--nproc-per-node=RANKS_PER_NODE ...` (%ddp_export --sbatch --launcher torchrun writes it), "
+            "or leave torchrun out and let srun start one task per rank.")
 
 
 def _int(environ, name: str) -> int:

@@ -57,7 +57,7 @@ import os
 import sys
 from typing import NamedTuple
 
-from ddplab.launchers import schedulers
+from ddplab.launchers import jobstore, requeue, schedulers, stragglers
 from ddplab.launchers.schedulers import TorchrunEnvError
 from ddplab.pg import backend as rank_backend
 from ddplab.placement import resources
@@ -125,7 +125,12 @@ def init_from_env(backend: str = "auto", timeout: float | None = None,
     divided by the ranks on it, overriding torchrun's OMP_NUM_THREADS=1.
     Calling it again in the same process returns the same DistEnv.
     """
-    schedulers.adopt()  # Slurm's or Open MPI's variables, as torchrun's (when RANK is not set)
+    port_set = bool(os.environ.get("MASTER_PORT"))  # by the user (or torchrun), not derived from the job
+    launcher = schedulers.adopt()  # Slurm's or Open MPI's variables, as torchrun's (when RANK is not set)
+    if launcher == "slurm" or os.environ.get("SLURM_JOB_ID"):
+        # Slurm's warning before the time limit (the batch file's --signal=USR1@90) would
+        # kill the task: note it instead, for a ddplab.Resumable loop to save and requeue.
+        requeue.listen()
     env = read_env()  # a wrong launch fails here, before the seconds torch takes to import
     import torch
     import torch.distributed as dist
@@ -144,12 +149,11 @@ def init_from_env(backend: str = "auto", timeout: float | None = None,
     os.environ.setdefault("GLOO_SOCKET_IFNAME", interface_towards(os.environ["MASTER_ADDR"]))
     # env:// opens the store at MASTER_ADDR/MASTER_PORT (torchrun's agent store, or one
     # rank 0 hosts), with the start-up limit: the nodes meet there before the group starts.
-    from torch.distributed.rendezvous import rendezvous
-
     from ddplab.pg.inner import startup_timeout
 
-    store, _, _ = next(rendezvous("env://", env["rank"], env["world_size"],
-                                  timeout=startup_timeout(timeout)))
+    # a taken port said in words; another job's store refused (jobstore.py)
+    store = jobstore.open_store(env["rank"], env["world_size"], startup_timeout(timeout),
+                                env["master_port"], port_set)
     backend = publish_and_agree(store, env["rank"], env["world_size"], asked, could,
                                 startup_timeout(timeout))
     # Under nccl the group also serves CPU tensors through gloo (pg/backend.py).
@@ -157,6 +161,11 @@ def init_from_env(backend: str = "auto", timeout: float | None = None,
         warn_if_taken(gpu, env["rank"])
     rank_backend.init_group(backend, rank=env["rank"], world_size=env["world_size"],
                             timeout=timeout, gpu=gpu, store=store)
+    # A collective that times out names the ranks that never issued it (stragglers.py).
+    from ddplab.pg.group import observing_group
+
+    stragglers.watch(observing_group(), env["rank"], env["world_size"], env["master_addr"],
+                     env["master_port"])
     return current_env()
 
 
@@ -285,26 +294,40 @@ def publish_names(namespace: dict) -> None:
                      device=env.device)
 
 
-def finish(code: int = 0) -> None:
+def finish(code: int = 0, exit: bool | None = None) -> None:
     """End a torchrun script: wait for every rank, leave the group, exit now.
 
     Exiting through the interpreter's teardown with a live gloo group can
     abort the process ("terminate called without an active exception"), and
     torchrun would report the run as failed. So the rank destroys the group
     and leaves by ``os._exit``, as the Cluster's ranks do.
+
+    That exit is only for the script's end: ``exit=None`` exits when called at
+    the top level of the ``__main__`` script (the exported script's last line)
+    and otherwise returns once the group is gone, so that a caller (submitit's
+    runner, a function of yours) gets its result back. ``exit=True``/``False``
+    decides it yourself.
     """
     import torch.distributed as dist
 
+    if exit is None:
+        caller = sys._getframe(1)
+        exit = caller.f_code.co_name == "<module>" and caller.f_globals.get("__name__") == "__main__"
+    failure = None
     try:
         sys.stdout.flush()
         sys.stderr.flush()
+        stragglers.stop_all()  # its thread uses the store the group is about to drop
         if dist.is_initialized():
             dist.barrier()  # nobody tears down while a peer still needs it
             dist.destroy_process_group()
     except BaseException as exc:  # noqa: BLE001 - report, then still leave without teardown
         print(f"ddplab.launchers.torchrun.finish: {type(exc).__name__}: {exc}", file=sys.stderr)
-        code = code or 1
+        code, failure = code or 1, exc
     finally:
         sys.stdout.flush()
         sys.stderr.flush()
-        os._exit(code)
+        if exit:
+            os._exit(code)
+    if failure is not None:
+        raise failure

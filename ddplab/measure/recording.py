@@ -58,6 +58,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from ddplab.launchers import jobstore
 from ddplab.measure.recording_end import DESTROYED, FINISH_TIMEOUT_S, UNFINISHED, gather, group_alive, machine
 from ddplab.measure.recording_layout import NOT_MEASURED, buckets_from_logging, logged_buckets
 from ddplab.timeline.clock import now
@@ -91,7 +92,8 @@ class RunRecorder:
         self._index = {id(p): i for i, p in enumerate(self.params)}
         meta = {"recorded": "your run (ddplab.record)", "model": type(ddp_model.module).__name__,
                 "params": [{"name": n, "numel": p.numel(), "dtype": str(p.dtype).replace("torch.", ""),
-                            "requires_grad": p.requires_grad} for n, p in zip(self.names, self.params)]}
+                            "requires_grad": p.requires_grad} for n, p in zip(self.names, self.params)],
+                "place": jobstore.place()}  # this rank's job, node and host; rank 0 lists them all
         self.recorder = Recorder("ddp", self.rank, self.world, self.backend, meta)
         # On NCCL a host stamp says when the host queued work, not when the GPU ran it: the
         # GPU's times come from CUDA events (ddplab.timeline.cuda_events), resolved per step.
@@ -281,6 +283,8 @@ class RunRecorder:
         if self.rank != 0:
             return None
         tl = Timeline.merge([Timeline.from_dict(p) for p in parts]).shifted(clock["offsets"])
+        tl.meta.pop("place", None)  # rank 0's alone: every rank's is in "ranks"
+        tl.meta["ranks"] = [{"rank": r, **(p.get("meta") or {}).get("place", {})} for r, p in enumerate(parts)]
         tl.meta.update(clock_bound_s=clock["bound_s"], logged_bucket_sizes=logged_buckets(self.ddp),
                        machine=machine(self.world),
                        ddp_logging_data={k: v for k, v in self.ddp._get_ddp_logging_data().items()

@@ -63,10 +63,11 @@ class Push(NamedTuple):
 class Recording:
     """What ran on a Cluster's ranks since they last started, in order."""
 
-    def __init__(self, world_size: int, backend: str = "auto", timeout: float = 60.0):
+    def __init__(self, world_size: int, backend: str = "auto", timeout: float = 60.0, ran_on: str = "gloo"):
         self.world_size = world_size
         self.backend = backend  # as the learner asked for it ("auto" stays "auto" on servers)
         self.timeout = timeout
+        self.ran_on = ran_on  # what the ranks took: gloo (CPU) or nccl
         self.entries: list[Cell | LeftOut | Push] = []
 
     def add_cell(self, filename: str, source: str, magic_line: str = "") -> None:
@@ -209,7 +210,7 @@ def script_text(rec: Recording, name: str = "train.py", side: str | None = None)
     pushes = [e for e in rec.entries if isinstance(e, Push)]
     saved = {p.detail: p.value for p in pushes if p.how == "saved"}
     side = side if saved else None
-    out = [_header(name, rec, side), "import ddplab", "import ddplab.launchers.torchrun"]
+    out = [_header(name, rec, side), "import sys", "", "import ddplab", "import ddplab.launchers.torchrun"]
     if saved:
         out.append("import os")
     if saved or any(p.how == "code" and p.detail.startswith("torch.") for p in pushes):
@@ -221,6 +222,9 @@ def script_text(rec: Recording, name: str = "train.py", side: str | None = None)
         "# The names every %%ddp cell found defined on its rank:",
         "rank, local_rank, world_size, device = (_ddp_env.rank, _ddp_env.local_rank,",
         "                                        _ddp_env.world_size, _ddp_env.device)",
+        f"if world_size != {rec.world_size} and rank == 0:  # the numbers then differ from the notebook's",
+        f"    print(f'ddplab: this run has {{world_size}} ranks, the notebook had {rec.world_size}: its batches, "
+        "averages and printed numbers differ from the notebook\\'s', file=sys.stderr)",
     ]
     if saved:
         out += [f"_ddp_pushed = torch.load(os.path.join(os.path.dirname(os.path.abspath(__file__)), "
@@ -262,8 +266,24 @@ def write_script(path, rec: Recording) -> list[Path]:
 
 
 def export_hint(path, rec: Recording) -> str:
-    """One line for the learner: what was written and the command to run it."""
-    left = rec.count(LeftOut)
-    return (f"Wrote {os.fspath(path)}: {rec.count(Cell)} cell(s), {rec.count(Push)} push(es)"
-            + (f", {left} failed cell(s) left out" if left else "")
+    """What was written and the command to run it; then each cell left out, and why."""
+    left = [e for e in rec.entries if isinstance(e, LeftOut)]
+    text = (f"Wrote {os.fspath(path)}: {rec.count(Cell)} cell(s), {rec.count(Push)} push(es)"
+            + (f", {len(left)} failed cell(s) left out" if left else "")
             + f". Run it with: torchrun --nproc-per-node={rec.world_size} {Path(path).name}")
+    for entry in left:  # the script lacks what these cells would have done: say so where it is seen
+        text += (f"\nLeft out: {entry.filename} raised in the notebook ({entry.why}); the script runs "
+                 "without it. Fix the cell and run it again before exporting if the rest needs it.")
+    return text
+
+
+def nothing_to_export(rec: Recording | None) -> str | None:
+    """Why there is no script to write (None: there is one)."""
+    if rec is None or not rec.entries:
+        return "nothing to export: no %%ddp cell has run since the ranks started"
+    if rec.count(Cell) == 0:
+        left = [e for e in rec.entries if isinstance(e, LeftOut)]
+        return ("nothing to export: every %%ddp cell since the ranks started raised, so none is in "
+                "the recording" + "".join(f"\n  {e.filename}: {e.why}" for e in left)
+                + "\nFix them, run them again, then export.")
+    return None

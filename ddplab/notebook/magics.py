@@ -22,7 +22,8 @@ is asked).
     %ddp_pull NAME                         every rank -> kernel: a list by rank
     %ddp_status                            pids, devices, memory, jobs
     %ddp_stop
-    %ddp_export FILE.py [--sbatch --nodes N --gpus-per-node G --time T --partition P]
+    %ddp_export FILE.py [--sbatch --nodes N --gpus-per-node G --time T --partition P
+                        --launcher srun|torchrun --warn-s S --other-world-size --on-gpus]
 
 How a cell runs: the kernel compiles it (a syntax error never reaches the
 ranks) under a file name like ``<ddp-cell-7>`` that it also puts in its own
@@ -137,7 +138,7 @@ class DDPMagics(Magics):
         cluster.run(ddpcell.prepare)
         cluster.on_display = self._show_display
         self.cluster_pids = cluster.pids
-        self.recording = export.Recording(cluster.world_size, self._backend, cluster.timeout)
+        self.recording = export.Recording(cluster.world_size, self._backend, cluster.timeout, cluster.backend)
 
     def _show_display(self, rank: int, payload: dict) -> None:
         rankview.show_display(rank, payload, self.cluster.world_size, self._shown_ranks)
@@ -273,9 +274,11 @@ class DDPMagics(Magics):
         path = os.path.expanduser(args.file)
         if not path.endswith(".py"):
             raise UsageError("usage: %ddp_export FILE.py [--sbatch --nodes N --gpus-per-node G ...]")
-        if self.recording is None or not self.recording.entries:
-            raise UsageError("nothing to export: no %%ddp cell has run since the ranks started")
-        opts = sbatch.from_magic(args, self.recording.world_size)  # None without --sbatch
+        why = export.nothing_to_export(self.recording)  # no script, and no batch file, for zero cells
+        if why:
+            raise UsageError(why)
+        rec = self.recording  # the job's shape is checked against the notebook's, before any file
+        opts = sbatch.from_magic(args, rec.world_size, rec.ran_on, rec.backend)  # None without --sbatch
         export.write_script(path, self.recording)
         print(export.export_hint(path, self.recording))
         if opts is not None:

@@ -16,13 +16,24 @@ of two ways:
   torchrun's own features (``--max-restarts``, its error files), or sites
   whose ``srun`` cannot start several tasks per node.
 
+Either way the job fails fast and survives its time limit: ``srun
+--kill-on-bad-exit=1`` ends every task when one fails (a hung rank would
+otherwise hold the nodes until the limit); ``--signal=USR1@90`` warns the
+ranks before the limit, ``--requeue`` and ``--open-mode=append`` let a
+``ddplab.Resumable`` loop save, requeue and resume into the same output file,
+where each attempt's first line marks it (launchers/requeue.py). The options are
+checked against the notebook before anything is written: its world size
+(``--other-world-size`` to differ on purpose) and its backend (no GPUs for a
+notebook whose ranks ran on the CPU unless ``--on-gpus``).
+
 Leaves out: ``--cpus-per-task`` and ``--mem`` (the site's defaults; the
 threads per rank follow the CPUs the task may use), accounts and QOS,
-containers (``srun --container-image``), job arrays, and module loads: add
-them to the batch file by hand where your site asks for them.
+containers (``srun --container-image``), job arrays (docs/hpc.md shows one), and module
+loads: add them to the batch file by hand where your site asks for them.
 
 References: Slurm's sbatch(1) and srun(1) manual pages (``--gpus-per-node``,
-``--ntasks-per-node``, ``--label``, ``%x``/``%j`` in ``--output``);
+``--ntasks-per-node``, ``--label``, ``%x``/``%j`` in ``--output``, ``--signal``,
+``--requeue``, ``--open-mode``, ``--kill-on-bad-exit``);
 torch's elastic/run.html (``--rdzv-backend=c10d``).
 """
 from __future__ import annotations
@@ -44,6 +55,7 @@ class BatchOptions(NamedTuple):
     partition: str | None = None
     launcher: str = "srun"
     python: str = sys.executable  # the notebook's kernel's Python, which has torch and ddplab
+    warn_s: int = 90  # SIGUSR1 this long before the time limit (ddplab.Resumable saves, requeues); 0: none
 
 
 def check(opts: BatchOptions) -> BatchOptions:
@@ -58,9 +70,12 @@ def check(opts: BatchOptions) -> BatchOptions:
     per_node = opts.ntasks_per_node or opts.gpus_per_node or 1
     if opts.gpus_per_node and per_node != opts.gpus_per_node:
         raise ValueError(f"--ntasks-per-node {per_node} with --gpus-per-node {opts.gpus_per_node}: "
-                         "each rank takes one GPU, so give as many ranks as GPUs per node")
+                         "each rank takes one GPU, so give as many ranks as GPUs per node; for a CPU "
+                         "job pass --gpus-per-node 0 (then --ntasks-per-node is the ranks per node)")
     if per_node < 1:
         raise ValueError("--ntasks-per-node takes 1 or more")
+    if opts.warn_s < 0 or opts.warn_s > 65535:
+        raise ValueError(f"--warn-s {opts.warn_s}: Slurm's --signal takes 0 to 65535 seconds before the limit")
     return opts._replace(ntasks_per_node=per_node)
 
 
@@ -72,6 +87,9 @@ MAGIC_OPTIONS = [  # %ddp_export's options for the batch file
     ("--time", {"default": "00:30:00"}),
     ("--partition", {"default": None}),
     ("--launcher", {"default": "srun", "choices": LAUNCHERS, "help": "one task per rank, or per node"}),
+    ("--warn-s", {"type": int, "default": 90, "help": "SIGUSR1 this many s before the limit; 0: none"}),
+    ("--other-world-size", {"action": "store_true", "help": "run at another number of ranks than the notebook"}),
+    ("--on-gpus", {"action": "store_true", "help": "GPUs for a notebook that ran on the CPU (auto backend)"}),
 ]
 
 
@@ -84,20 +102,50 @@ def magic_options(fn):
     return fn
 
 
-def from_magic(args, world_size: int) -> BatchOptions | None:
-    """The options of ``%ddp_export --sbatch`` (None without --sbatch): by default one node with
-    the notebook's ranks, one GPU each; ``--gpus-per-node 0`` makes a CPU job
-    (``--ntasks-per-node`` ranks per node). A UsageError says what Slurm would refuse."""
+def from_magic(args, world_size: int, ran_on: str = "gloo", asked: str = "auto") -> BatchOptions | None:
+    """The options of ``%ddp_export --sbatch`` (None without --sbatch). The defaults follow the
+    notebook: one node with its ranks, one GPU each where they ran on GPUs (``ran_on`` nccl),
+    none where they ran on the CPU (``--ntasks-per-node`` ranks per node). A UsageError says
+    what Slurm would refuse, and refuses a job of another world size than the notebook's
+    (``--other-world-size`` allows it) and GPUs for a notebook that ran on the CPU."""
     from IPython.core.error import UsageError
 
     if not args.sbatch:
         return None
-    gpus = world_size if args.gpus_per_node is None else args.gpus_per_node
-    per_node = args.ntasks_per_node or (None if gpus else world_size)
+    on_gpus = ran_on == "nccl"
+    gpus = (world_size if on_gpus else 0) if args.gpus_per_node is None else args.gpus_per_node
+    if gpus and not on_gpus and not (args.on_gpus and asked == "auto"):
+        raise UsageError(_cpu_notebook_gpus(gpus, asked))
+    per_node = args.ntasks_per_node or (None if gpus else (world_size + args.nodes - 1) // args.nodes)
     try:
-        return check(BatchOptions(args.nodes, gpus, per_node, args.time, args.partition, args.launcher))
+        opts = check(BatchOptions(args.nodes, gpus, per_node, args.time, args.partition, args.launcher,
+                                  warn_s=args.warn_s))
     except ValueError as exc:
         raise UsageError(str(exc)) from None
+    ranks = opts.nodes * opts.ntasks_per_node
+    if ranks != world_size and not args.other_world_size:
+        raise UsageError(
+            f"the job would have {ranks} ranks ({opts.nodes} node(s) x {opts.ntasks_per_node}), the notebook "
+            f"had {world_size}: each rank's batches and the averages would differ, and so would every "
+            f"number the script prints. Ask for {world_size} ranks (e.g. {_shape_for(world_size, gpus)}), "
+            "or add --other-world-size to run at another size on purpose.")
+    return opts
+
+
+def _shape_for(world_size: int, gpus: int) -> str:
+    if gpus:
+        return f"--nodes 1 --gpus-per-node {world_size}"
+    return f"--nodes 1 --gpus-per-node 0 --ntasks-per-node {world_size}"
+
+
+def _cpu_notebook_gpus(gpus: int, asked: str) -> str:
+    text = (f"--gpus-per-node {gpus}: the notebook's ranks ran on the CPU (gloo), so the job would hold "
+            f"{gpus} GPU(s) per node that the script does not use (and where the nodes have none, sbatch "
+            "says 'Invalid generic resource'). Pass --gpus-per-node 0 for a CPU job (--ntasks-per-node "
+            "then gives its ranks per node)")
+    if asked == "auto":
+        return text + ", or add --on-gpus to run the script on GPU nodes (its backend 'auto' then takes nccl)."
+    return text + f"; the notebook asked for backend {asked!r}, which the script asks for too."
 
 
 def hint(batch: Path, opts: BatchOptions) -> str:
@@ -130,10 +178,21 @@ def batch_text(script: str, opts: BatchOptions) -> str:
     lines.append(f"#SBATCH --time={opts.time}")
     if opts.partition:
         lines.append(f"#SBATCH --partition={opts.partition}")
+    lines.append("#SBATCH --output=%x-%j.out")
+    if opts.warn_s:
+        lines += [
+            f"# SIGUSR1 to every task {opts.warn_s} s before the time limit: a ddplab.Resumable loop then",
+            "# saves a checkpoint and requeues the job, which resumes from it (docs/hpc.md).",
+            f"#SBATCH --signal=USR1@{opts.warn_s}",
+        ]
     lines += [
-        "#SBATCH --output=%x-%j.out",
+        "# A requeued job (preempted, a node lost, or the checkpoint above) appends to its output.",
+        "#SBATCH --requeue",
+        "#SBATCH --open-mode=append",
         "",
         "set -euo pipefail",
+        'echo "=== job $SLURM_JOB_ID attempt $(( ${SLURM_RESTART_COUNT:-0} + 1 )) on $SLURM_JOB_NODELIST,' +
+        ' started $(date -u +%FT%TZ)"',
         "# The Python that has torch and ddplab (the notebook's kernel's); PYTHON=... sbatch overrides it.",
         f"PYTHON=${{PYTHON:-{shlex.quote(opts.python)}}}",
         f'SCRIPT="$SLURM_SUBMIT_DIR/{script}"',
@@ -142,7 +201,9 @@ def batch_text(script: str, opts: BatchOptions) -> str:
     if opts.launcher == "srun":
         lines += [
             "# One task per rank, Slurm's --label puts its rank in front of each line (\"0: ...\").",
-            'srun --label "$PYTHON" "$SCRIPT"',
+            "# --kill-on-bad-exit=1: a task that fails ends the others, and the job, at once;",
+            "# without it a hung rank holds every node until the time limit.",
+            'srun --kill-on-bad-exit=1 --label "$PYTHON" "$SCRIPT"',
         ]
     else:
         lines += [
@@ -152,8 +213,11 @@ def batch_text(script: str, opts: BatchOptions) -> str:
             "head_addr=$(scontrol show node \"$head_node\" | sed -n 's/.*NodeAddr=\\([^ ]*\\).*/\\1/p')",
             "port=$((20000 + SLURM_JOB_ID % 12000))",
             "# One torchrun per node; each starts this node's ranks and labels their lines.",
+            "# A failed rank ends its torchrun, and --kill-on-bad-exit=1 then the other nodes'.",
+            "# The agent ignores Slurm's SIGUSR1 (it would die of it); its ranks catch it.",
             "export TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE='[rank ${rank}] '",
-            'srun --ntasks-per-node=1 "$PYTHON" -m torch.distributed.run \\',
+            "srun --kill-on-bad-exit=1 --ntasks-per-node=1 bash -c 'trap \"\" USR1; exec \"$@\"' torchrun \\",
+            '    "$PYTHON" -m torch.distributed.run \\',
             f'    --nnodes="$SLURM_JOB_NUM_NODES" --nproc-per-node={per_node} \\',
             '    --rdzv-backend=c10d --rdzv-endpoint="$head_addr:$port" --rdzv-id="$SLURM_JOB_ID" \\',
             '    --tee=3 "$SCRIPT"',

@@ -94,6 +94,17 @@ def test_torchruns_variables_win_and_what_the_user_set_is_kept(scontrol):
     assert adopt({"PATH": scontrol.path}) == "none"
 
 
+def test_srun_starting_two_torchruns_on_a_node_is_refused_in_their_workers(scontrol):
+    worker = dict(RANK="1", WORLD_SIZE="4", LOCAL_RANK="1", LOCAL_WORLD_SIZE="2", MASTER_ADDR="10.1.2.3",
+                  MASTER_PORT="29400", TORCHELASTIC_RUN_ID="4242")
+    two = srun_task(scontrol.path, **worker)  # srun --ntasks-per-node=2 torchrun ...
+    with pytest.raises(TorchrunEnvError, match=r"srun started 2 tasks on this node and each runs torchrun"
+                                               r"(.|\n)*srun --ntasks-per-node=1 torchrun"):
+        adopt(two)
+    one = srun_task(scontrol.path, SLURM_STEP_TASKS_PER_NODE="1(x2)", SLURM_STEP_NUM_TASKS="2", **worker)
+    assert adopt(one) == "torchrun"
+
+
 def test_the_batch_scripts_own_process_is_refused_saying_to_use_srun(scontrol):
     batch = {k: v for k, v in srun_task(scontrol.path, procid=0, nodeid=0, localid=0).items()
              if not k.startswith("SLURM_STEP")}
@@ -168,9 +179,13 @@ def test_the_default_batch_file_starts_one_task_per_gpu_with_srun():
     assert [line for line in lines if line.startswith("#SBATCH")] == [
         "#SBATCH --job-name=train", "#SBATCH --nodes=2", "#SBATCH --ntasks-per-node=4",
         "#SBATCH --gpus-per-node=4", "#SBATCH --time=01:00:00", "#SBATCH --partition=gpu",
-        "#SBATCH --output=%x-%j.out"]
+        "#SBATCH --output=%x-%j.out", "#SBATCH --signal=USR1@90", "#SBATCH --requeue",
+        "#SBATCH --open-mode=append"]
     assert "PYTHON=${PYTHON:-/opt/env/bin/python}" in lines
-    assert lines[-1] == 'srun --label "$PYTHON" "$SCRIPT"' and "torch.distributed.run" not in text
+    # a failed task ends the job at once (a hung peer would hold the nodes until the limit)
+    assert lines[-1] == 'srun --kill-on-bad-exit=1 --label "$PYTHON" "$SCRIPT"'
+    assert "torch.distributed.run" not in text
+    assert 'echo "=== job $SLURM_JOB_ID attempt $(( ${SLURM_RESTART_COUNT:-0} + 1 ))' in text
     assert "8 ranks in all" in text and "sbatch train.sbatch" in text
 
 
@@ -178,7 +193,8 @@ def test_the_torchrun_batch_file_starts_one_torchrun_per_node():
     text = sbatch.batch_text("train.py", sbatch.BatchOptions(nodes=2, gpus_per_node=4, launcher="torchrun"))
     assert "#SBATCH --ntasks-per-node=1" in text and "#SBATCH --gpus-per-node=4" in text
     assert "--partition" not in text  # the site's default partition
-    assert 'srun --ntasks-per-node=1 "$PYTHON" -m torch.distributed.run' in text
+    assert ("srun --kill-on-bad-exit=1 --ntasks-per-node=1 bash -c 'trap \"\" USR1; exec \"$@\"' torchrun \\\n"
+            '    "$PYTHON" -m torch.distributed.run') in text
     assert '--nnodes="$SLURM_JOB_NUM_NODES" --nproc-per-node=4' in text
     assert '--rdzv-backend=c10d --rdzv-endpoint="$head_addr:$port" --rdzv-id="$SLURM_JOB_ID"' in text
 
@@ -196,6 +212,9 @@ def test_batch_options_slurm_would_refuse_or_that_leave_gpus_idle_are_refused():
     with pytest.raises(ValueError, match="srun or torchrun"):
         sbatch.check(sbatch.BatchOptions(launcher="mpirun"))
     assert sbatch.check(sbatch.BatchOptions(time="1-12:00:00")).ntasks_per_node == 1
+    with pytest.raises(ValueError, match="--warn-s -1"):
+        sbatch.check(sbatch.BatchOptions(warn_s=-1))
+    assert "--signal" not in sbatch.batch_text("t.py", sbatch.BatchOptions(warn_s=0))
 
 
 def test_the_batch_files_rendezvous_lines_agree_with_init_from_env(scontrol):
@@ -216,13 +235,56 @@ def test_ddp_export_parses_the_batch_options():
 
     from ddplab.notebook.magics import DDPMagics
 
-    args = parse_argstring(DDPMagics.ddp_export, "train.py --sbatch --nodes 2 --time 10 --partition gpu")
-    opts = sbatch.from_magic(args, world_size=4)  # the notebook's 4 ranks: 4 GPUs per node
+    def parse(line):
+        return parse_argstring(DDPMagics.ddp_export, line)
+
+    args = parse("train.py --sbatch --nodes 2 --time 10 --partition gpu --other-world-size")
+    opts = sbatch.from_magic(args, world_size=4, ran_on="nccl")  # the notebook's 4 GPU ranks: 4 GPUs per node
     assert (opts.nodes, opts.gpus_per_node, opts.ntasks_per_node, opts.time, opts.partition,
             opts.launcher) == (2, 4, 4, "10", "gpu", "srun")
-    cpu = sbatch.from_magic(parse_argstring(DDPMagics.ddp_export, "t.py --sbatch --gpus-per-node 0"), 2)
+    cpu = sbatch.from_magic(parse("t.py --sbatch --gpus-per-node 0"), 2)
     assert (cpu.gpus_per_node, cpu.ntasks_per_node) == (0, 2)
-    assert sbatch.from_magic(parse_argstring(DDPMagics.ddp_export, "t.py"), 2) is None
-    with pytest.raises(UsageError, match="each rank takes one GPU"):
-        sbatch.from_magic(parse_argstring(DDPMagics.ddp_export,
-                                          "t.py --sbatch --gpus-per-node 4 --ntasks-per-node 2"), 2)
+    assert sbatch.from_magic(parse("t.py"), 2) is None
+    with pytest.raises(UsageError, match="each rank takes one GPU(.|\n)*CPU job pass --gpus-per-node 0"):
+        sbatch.from_magic(parse("t.py --sbatch --gpus-per-node 4 --ntasks-per-node 2"), 2, ran_on="nccl")
+
+
+def test_the_exports_defaults_follow_the_notebooks_backend():
+    from IPython.core.magic_arguments import parse_argstring
+
+    from ddplab.notebook.magics import DDPMagics
+
+    def opts(line, world, ran_on):
+        return sbatch.from_magic(parse_argstring(DDPMagics.ddp_export, line), world, ran_on)
+
+    gloo = opts("t.py --sbatch", 2, "gloo")  # a CPU notebook: a CPU job, no GPUs asked for
+    assert (gloo.nodes, gloo.gpus_per_node, gloo.ntasks_per_node) == (1, 0, 2)
+    assert "gpus" not in sbatch.batch_text("t.py", gloo)
+    two_nodes = opts("t.py --sbatch --nodes 2", 2, "gloo")
+    assert (two_nodes.gpus_per_node, two_nodes.ntasks_per_node) == (0, 1)
+    nccl = opts("t.py --sbatch", 2, "nccl")
+    assert (nccl.gpus_per_node, nccl.ntasks_per_node) == (2, 2)
+
+
+def test_a_job_of_another_shape_than_the_notebook_is_refused_saying_what_to_pass():
+    from IPython.core.error import UsageError
+    from IPython.core.magic_arguments import parse_argstring
+
+    from ddplab.notebook.magics import DDPMagics
+
+    def opts(line, world=2, ran_on="gloo", asked="auto"):
+        return sbatch.from_magic(parse_argstring(DDPMagics.ddp_export, line), world, ran_on, asked)
+
+    # 2 tasks per node on 2 nodes: world size 4 for a 2-rank notebook
+    with pytest.raises(UsageError, match=r"the job would have 4 ranks \(2 node\(s\) x 2\), the notebook had 2"
+                                         r"(.|\n)*--nodes 1 --gpus-per-node 0 --ntasks-per-node 2"
+                                         r"(.|\n)*--other-world-size"):
+        opts("t.py --sbatch --nodes 2 --gpus-per-node 0 --ntasks-per-node 2")
+    assert opts("t.py --sbatch --nodes 2 --gpus-per-node 0 --ntasks-per-node 2 --other-world-size").nodes == 2
+    # GPUs for a notebook that ran on the CPU: refused, naming --gpus-per-node 0
+    with pytest.raises(UsageError, match=r"--gpus-per-node 4: the notebook's ranks ran on the CPU"
+                                         r"(.|\n)*Pass --gpus-per-node 0 for a CPU job(.|\n)*--on-gpus"):
+        opts("t.py --sbatch --gpus-per-node 4", world=4)
+    assert opts("t.py --sbatch --gpus-per-node 4 --on-gpus", world=4).gpus_per_node == 4
+    with pytest.raises(UsageError, match="asked for backend 'gloo'"):  # its script would never use them
+        opts("t.py --sbatch --gpus-per-node 4 --on-gpus", world=4, asked="gloo")

@@ -37,7 +37,7 @@ MODULES = {
     # below this level starts ranks
     4: {"ddplab.cluster": ["", "answers", "cluster", "diagnosis", "errors", "generations", "lifecycle", "output",
                            "process", "progress", "rendezvous", "results", "status", "subset", "worker"],
-        "ddplab.launchers": ["", "schedulers", "torchrun"]},
+        "ddplab.launchers": ["", "jobstore", "requeue", "schedulers", "stragglers", "torchrun"]},
     5: {"ddplab.measure": ["", "compare", "fits", "memory", "models", "profile", "recording", "recording_end",
                            "recording_layout", "report", "runners", "spec", "sweep", "transformer", "whatif",
                            "workload"]},
