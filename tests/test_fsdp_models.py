@@ -6,10 +6,12 @@ grad, activation checkpointing (non-reentrant and reentrant), the same layer
 called twice, and a layer taking a keyword tensor. After EVERY step, on 2 gloo
 ranks whose models start from different weights, the full weights equal
 single-process training on the union of the ranks' batches and torch's
-``fully_shard`` (float32, within 1e-6). Also: the global gradient norm that
-``clip_grad_norm_`` returns on every rank, weight-decay groups by the original
-parameter's ndim, and a full state dict that loads into the unwrapped model and
-back.
+``fully_shard`` (float32, within 1e-6); a float32 keyword tensor reaches a
+bfloat16 layer cast, as FSDP2 casts it. Also what flat shards change for the
+learner: ``clip_grad_norm_`` returns the global norm on every rank (torch's
+function over the shards returns each rank's own), weight-decay groups chosen
+by the original parameter's ndim (``full_shape``) train as on one process, and
+a full state dict loads into the unwrapped model and back.
 """
 from __future__ import annotations
 
@@ -190,3 +192,87 @@ def test_keyword_tensors_are_cast_as_positional_ones_and_training_equals_fully_s
         assert seen == (torch.bfloat16, torch.bfloat16)
         assert apart > 1e-4  # bfloat16 changed the numbers: the equality below is not vacuous
         assert worst <= 1e-6, worst
+
+
+# -- what flat shards change: the global norm, ndim rules, a full state dict ----------------
+
+MAX_NORM = 0.05  # below every step's norm here: each step clips
+
+
+def _adamw(named, ndim_of):
+    """Weight decay on matrices only, chosen by the ORIGINAL parameter's ndim."""
+    named = [(n, p) for n, p in named if p.requires_grad]
+    return torch.optim.AdamW([
+        {"params": [p for n, p in named if ndim_of(n, p) >= 2], "weight_decay": 0.1},
+        {"params": [p for n, p in named if ndim_of(n, p) < 2], "weight_decay": 0.0}], lr=0.01)
+
+
+def _clip_runs(kind="keyword"):
+    """ddplab's FSDP (Linear layers sharded; Gate's matrix replicated), one process and
+    fully_shard, each clipping to MAX_NORM and stepping AdamW with ndim-chosen decay groups."""
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor
+
+    rank, ws = dist.get_rank(), dist.get_world_size()
+    fsdp = core.FSDP(_model(kind, rank), shard=(nn.Linear,))
+    flat = all(p.ndim == 1 for n, p in fsdp.module.named_parameters() if n != "gate.proj")
+    one = _model(kind, 0)
+    theirs = _model(kind, 0)
+    for m in theirs.modules():
+        if isinstance(m, nn.Linear):
+            fully_shard(m)
+    fully_shard(theirs)
+    opts = [_adamw(fsdp.module.named_parameters(), lambda n, p: len(fsdp.full_shape(p))),
+            _adamw(one.named_parameters(), lambda n, p: p.ndim),
+            _adamw(theirs.named_parameters(), lambda n, p: p.ndim)]
+    norms, weights, local = [], [], []
+    for step in range(STEPS):
+        for opt in opts:
+            opt.zero_grad(set_to_none=True)
+        x, y = _batch(step, rank, ws)
+        nn.functional.mse_loss(fsdp(x), y).backward()
+        fsdp.finish_gradient_synchronization()
+        local.append(float(torch.nn.utils.get_total_norm(
+            [p.grad for p in fsdp.parameters() if p.grad is not None])))  # this rank's pieces only
+        ours = fsdp.clip_grad_norm_(MAX_NORM)
+        nn.functional.mse_loss(one(_batch(step)[0]), _batch(step)[1]).backward()
+        single = torch.nn.utils.clip_grad_norm_(one.parameters(), MAX_NORM)
+        nn.functional.mse_loss(theirs(x), y).backward()
+        torch_norm = torch.nn.utils.clip_grad_norm_(theirs.parameters(), MAX_NORM)
+        torch_norm = torch_norm.full_tensor() if isinstance(torch_norm, DTensor) else torch_norm
+        norms.append((float(ours), float(single), float(torch_norm)))
+        for opt in opts:
+            opt.step()
+        weights.append((fsdp.full_parameters(),
+                        {n: p.detach().clone() for n, p in one.named_parameters()},
+                        {n: _full_tensor(p) for n, p in theirs.named_parameters()}))
+    # a full state dict: into the unwrapped model, and back
+    saved = fsdp.full_state_dict()
+    plain = _model(kind, 1)
+    plain.load_state_dict(saved)
+    loaded_equal = max((plain.state_dict()[n] - one.state_dict()[n]).abs().max().item()
+                       for n in one.state_dict())
+    other = _model(kind, 7)
+    fsdp.load_full_state_dict(other.state_dict())
+    back = fsdp.full_parameters()
+    back_equal = max((back[n] - p).abs().max().item() for n, p in other.named_parameters())
+    return flat, norms, local, weights, loaded_equal, back_equal
+
+
+def test_clip_norm_decay_groups_and_full_state_dict_work_as_on_one_process(cluster2):
+    """clip_grad_norm_ and ndim-chosen decay groups train equal to one process and
+    fully_shard; the full state dict loads into the unwrapped model, and one loads back."""
+    results = cluster2.run(_clip_runs)
+    for flat, norms, local, weights, loaded_equal, back_equal in results:
+        assert flat  # a shard is flat: p.ndim cannot choose the decay groups
+        for (ours, single, theirs), mine in zip(norms, local):
+            assert ours > MAX_NORM  # clipping acted on every step
+            assert ours == pytest.approx(single, rel=1e-6) and ours == pytest.approx(theirs, rel=1e-6)
+            assert abs(mine - ours) > 1e-3 * ours  # torch's function over the pieces: a rank's own
+        for ours, single, theirs in weights:
+            for n in single:
+                assert (ours[n] - single[n]).abs().max() <= 1e-6, n
+                assert (ours[n] - theirs[n]).abs().max() <= 1e-6, n
+        assert loaded_equal <= 1e-6
+        assert back_equal == 0.0
+    assert results[0][1] == results[1][1]  # the same norm on every rank

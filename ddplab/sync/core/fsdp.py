@@ -279,6 +279,80 @@ class FSDP(nn.Module):
         return out
 
 
+    # -- what flat shards change for the learner, handled here (FSDP1 had the same methods) --
+
+    def full_shape(self, param) -> torch.Size:
+        """The shape ``param`` has in the unwrapped model: a shard is flat (``ndim == 1``), so
+        a rule such as "no weight decay when ndim < 2" must ask this instead."""
+        sp = self._pieces().get(id(param))
+        return param.shape if sp is None else sp.shape
+
+    @torch.no_grad()
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """The whole model's gradient norm, the same on every rank, and every gradient scaled
+        by ``max_norm / (norm + 1e-6)`` when that is below 1, as torch's
+        ``clip_grad_norm_`` does on one process. torch's function over ``.parameters()``
+        would see this rank's pieces only and return a different norm on each rank. Call it
+        after ``finish_gradient_synchronization()``; every rank must call it."""
+        norm_type, pieces = float(norm_type), self._pieces()
+        held = [p for p in self.module.parameters() if p.grad is not None]
+        grads = [p.grad for p in held]
+        mine = [p.grad for p in held if id(p) in pieces]  # this rank's pieces
+        same = [p.grad for p in held if id(p) not in pieces]  # replicated: equal on every rank
+        zero = torch.zeros((), dtype=torch.float32)
+        if norm_type == float("inf"):  # the largest entry: a max over ranks
+            total = torch.stack([zero, *[g.abs().max().float() for g in mine]]).max()
+            dist.all_reduce(total, dist.ReduceOp.MAX, group=self.process_group)
+            total = torch.stack([total, *[g.abs().max().float() for g in same]]).max()
+        else:  # sum of |g|^p over every rank's pieces (padding is zero), then the replicas once
+            total = sum((torch.linalg.vector_norm(g.float(), norm_type) ** norm_type
+                         for g in mine), zero.clone())
+            dist.all_reduce(total, group=self.process_group)
+            total = (total + sum((torch.linalg.vector_norm(g.float(), norm_type) ** norm_type
+                                  for g in same), zero)) ** (1.0 / norm_type)
+        scale = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        for g in grads:
+            g.mul_(scale.to(g.dtype))
+        return total
+
+    @torch.no_grad()
+    def full_state_dict(self) -> dict:
+        """``.module``'s state dict with every shard gathered to its full shape: it loads into
+        the unwrapped model (``plain.load_state_dict(fsdp.full_state_dict())``). Every rank
+        must call it. (``state_dict()`` holds this rank's flat pieces, under ``module.``.)"""
+        pieces, gathered, out = self._pieces(), {}, {}
+        for name, t in self.module.state_dict(keep_vars=True).items():
+            sp = pieces.get(id(t))
+            if sp is not None and id(t) not in gathered:
+                full = sp.shard.new_empty(self.world_size * sp.shard_numel)
+                dist.all_gather_single(full, sp.shard.detach(), group=self.process_group)
+                gathered[id(t)] = full[:sp.numel].view(sp.shape)
+            out[name] = gathered[id(t)] if sp is not None else t.detach().clone()
+        return out
+
+    @torch.no_grad()
+    def load_full_state_dict(self, state: dict) -> None:
+        """Load an unwrapped model's state dict: each rank keeps its piece of each weight."""
+        pieces = self._pieces()
+        for name, t in self.module.state_dict(keep_vars=True).items():
+            if name not in state:
+                raise KeyError(f"{name} is missing from the state dict: load_full_state_dict "
+                               "takes the unwrapped model's state_dict() (or full_state_dict())")
+            src, sp = state[name], pieces.get(id(t))
+            want = t.shape if sp is None else sp.shape
+            if tuple(src.shape) != tuple(want):
+                raise ValueError(f"{name} has shape {tuple(src.shape)} in the state dict but "
+                                 f"{tuple(want)} in the model")
+            if sp is None:
+                t.copy_(src)
+            else:  # pad the full weight, cut it in world_size pieces, keep piece ``rank``
+                flat = pad(src.detach().reshape(-1).to(t.dtype), sp.shard_numel * self.world_size)
+                t.copy_(flat.view(self.world_size, -1)[self.rank])
+
+    def _pieces(self) -> dict:
+        return {id(sp.shard): sp for sp in self.sharded.values()}
+
+
 def _check(module, compute_dtype, shard) -> None:
     """What this reference cannot do, refused with what to do instead."""
     if compute_dtype not in (None, torch.float32, torch.float16, torch.bfloat16):
