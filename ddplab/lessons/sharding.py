@@ -2,7 +2,9 @@
 
 Teaches, on the live ranks: ``holds_on_rank`` wraps one model in the
 reference FSDP (``ddplab.sync.core.fsdp``) and reports the parameter bytes a
-rank holds between layers against the full model's; ``traffic_on_rank``
+rank holds between layers against the full model's; ``flat_shards_on_rank``
+shows what flat pieces change (``p.ndim``, torch's ``clip_grad_norm_``) and
+what the FSDP's own methods give instead; ``traffic_on_rank``
 runs one training step of a registered strategy (``ddp``, ``zero1``,
 ``torch_zero``, ``fsdp``, ``torch_fsdp2``), its optimizer's step included,
 while a ``GroupRecorder`` watches the observing group, and returns every
@@ -44,6 +46,29 @@ def holds_on_rank() -> dict:
     gathered = {n: tuple(t.shape) for n, t in fsdp.full_parameters().items()}
     return {"full_bytes": full, "held_bytes": held, "shard_shapes": shapes,
             "full_shapes": gathered}
+
+
+def flat_shards_on_rank() -> dict:
+    """One backward of ``stack()`` under ddplab's FSDP, whose pieces are flat: what ``p.ndim``
+    and torch's ``clip_grad_norm_`` over the pieces say, against ``full_shape``,
+    ``FSDP.clip_grad_norm_`` and one process training on every rank's batch."""
+    rank, ws = dist.get_rank(), dist.get_world_size()
+    batches = [torch.randn(8, 12, generator=torch.Generator().manual_seed(r)) for r in range(ws)]
+    fsdp = FSDP(stack())
+    fsdp(batches[rank]).square().mean().backward()
+    fsdp.finish_gradient_synchronization()
+    pieces = float(torch.nn.utils.get_total_norm([p.grad for p in fsdp.parameters()]))
+    norm = float(fsdp.clip_grad_norm_(float("inf")))  # max_norm inf: measures, scales nothing
+    one = stack()
+    (sum(one(x).square().mean() for x in batches) / ws).backward()
+    single = float(torch.nn.utils.clip_grad_norm_(one.parameters(), float("inf")))
+    plain = stack()
+    plain.load_state_dict(fsdp.full_state_dict())  # raises if a shape does not fit
+    return {"ndim": {n: p.ndim for n, p in fsdp.module.named_parameters()},
+            "full_ndim": {n: len(fsdp.full_shape(p)) for n, p in fsdp.module.named_parameters()},
+            "pieces_norm": pieces, "norm": norm, "one_process": single,
+            "loads_unwrapped": all(torch.equal(plain.state_dict()[n], t)
+                                   for n, t in one.state_dict().items())}
 
 
 def traffic_on_rank(name: str) -> dict:
