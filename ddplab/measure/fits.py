@@ -20,13 +20,22 @@ the step's communication costs. For a model, a world size p and a link:
   and, under FSDP, a layer gathered whole with its full gradient and the
   padded copy it reduce-scatters.
 
+Ring bytes per rank, for each call of N bytes (the full size) over p
+ranks: an all-reduce sends 2(p-1)/p N (a reduce-scatter, then an
+all-gather), an all-gather or a reduce-scatter (p-1)/p N, a broadcast
+passed along a ring (every rank but the last forwards N) (p-1)/p N on
+average. ``ring_bytes`` sums them; ``sent_by_op`` is what a rank hands the
+group (the tensors it passes, as ``memory.measure`` counts them), another
+figure.
+
 Communication time (ring, ``ddplab.netsim.link.LinkModel``): an all-reduce of
-N bytes 2(p-1) alpha + 2(p-1)/p N / bandwidth; an all-gather or
-reduce-scatter of N bytes (the full size) half of that, each call paying
-its own alpha; a broadcast is timed as an all-reduce (an upper bound: it
-moves N once, not twice). Every collective is waited for (no overlap with
-compute), and DDP's buckets are cut at the cap in bytes, not by torch's
-rebuild rule (ddplab.measure.whatif has that).
+N bytes 2(p-1) alpha + 2(p-1)/p N / bandwidth; an all-gather, a
+reduce-scatter or a broadcast of N bytes half of that, each call paying its
+own alpha. For the broadcast that is the ring's average per rank: a chain
+pipelined in small pieces takes nearer N / bandwidth (plus its latencies), so
+its bandwidth term is (p-1)/p of the chain's (half at 2 ranks). Every collective is waited
+for (no overlap with compute), and DDP's buckets are cut at the cap in bytes,
+not by torch's rebuild rule (ddplab.measure.whatif has that).
 
 Leaves out: the allocator (its caching and rounding, on GPU), the Python
 heap, gloo's and NCCL's own buffers, buffers (BatchNorm statistics),
@@ -155,11 +164,20 @@ def predict_calls(model: nn.Module, world_size: int, row: str,
     return calls + [("all_reduce", 4 * t.numel()) for t in params if id(t) not in ids]
 
 
+HALF = {"all_gather", "reduce_scatter", "broadcast"}  # half an all-reduce's steps and bytes
+
+
+def ring_bytes(calls, world_size: int) -> float:
+    """What one rank sends in a ring for these (op, full bytes) calls: an all-reduce
+    2(p-1)/p N, an all-gather, a reduce-scatter or a broadcast (p-1)/p N."""
+    p = world_size
+    return sum((1 if op in HALF else 2) * (p - 1) / p * n for op, n in calls)
+
+
 def comm_seconds(calls, world_size: int, link: LinkModel) -> float:
     """The alpha-beta time of the step's collectives on ``link`` (ring, nothing overlapped):
-    an all-gather or reduce-scatter is half an all-reduce of the full size."""
-    half = {"all_gather", "reduce_scatter"}
-    return sum(link.allreduce_seconds(n, world_size) / (2 if op in half else 1)
+    an all-gather, a reduce-scatter or a broadcast is half an all-reduce of the full size."""
+    return sum(link.allreduce_seconds(n, world_size) / (2 if op in HALF else 1)
                for op, n in calls)
 
 
@@ -172,22 +190,24 @@ def which_fits(model: nn.Module, world_size: int, example, link="10gbe",
     for row in ROWS:
         mem = max((predict_memory(model, world_size, example, row, optimizer_cls, rank=r)
                    for r in range(world_size)), key=lambda m: m["peak"])
-        sent = predict_bytes(model, world_size, row)
+        sent, calls = predict_bytes(model, world_size, row), predict_calls(model, world_size, row)
         out.append({"row": row, "world_size": world_size, **mem, "sent_by_op": sent,
-                    "comm_s": comm_seconds(predict_calls(model, world_size, row), world_size, link),
+                    "ring_bytes": ring_bytes(calls, world_size),
+                    "comm_s": comm_seconds(calls, world_size, link),
                     "link": link.label,
                     "fits": None if budget_bytes is None else mem["peak"] <= budget_bytes})
     return out
 
 
 def fits_table(answers) -> str:
-    """The answers as text, in MiB and milliseconds."""
+    """The answers as text, in MiB and milliseconds; ``ring MiB``: what one rank sends per
+    step in a ring (``ring_bytes``)."""
     mb = 2 ** 20
     lines = [(f"{'row':<7}{'ranks':>6}{'params':>9}{'grads':>9}{'state':>9}{'peak':>9}"
-              f"{'MiB/step':>10}{'comm ms':>9}  fits")]
+              f"{'ring MiB':>10}{'comm ms':>9}  fits")]
     for a in answers:
         lines.append(f"{a['row']:<7}{a['world_size']:>6}" + "".join(
             f"{a[f] / mb:>9.2f}" for f in ("params", "grads", "optimizer_state", "peak"))
-            + f"{sum(a['sent_by_op'].values()) / mb:>10.2f}{a['comm_s'] * 1e3:>9.2f}  "
+            + f"{a['ring_bytes'] / mb:>10.2f}{a['comm_s'] * 1e3:>9.2f}  "
             + {None: "-", True: "yes", False: "NO"}[a["fits"]])
     return "\n".join(lines)
