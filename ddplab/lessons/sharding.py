@@ -4,7 +4,9 @@ Teaches, on the live ranks: ``holds_on_rank`` wraps one model in the
 reference FSDP (``ddplab.sync.core.fsdp``) and reports the parameter bytes a
 rank holds between layers against the full model's; ``flat_shards_on_rank``
 shows what flat pieces change (``p.ndim``, torch's ``clip_grad_norm_``) and
-what the FSDP's own methods give instead; ``traffic_on_rank``
+what the FSDP's own methods give instead; ``precision_on_rank`` what
+``compute_dtype`` changes (the gathered weights, the compute, the gradients
+before the float32 reduce-scatter) and what it leaves float32; ``traffic_on_rank``
 runs one training step of a registered strategy (``ddp``, ``zero1``,
 ``torch_zero``, ``fsdp``, ``torch_fsdp2``), its optimizer's step included,
 while a ``GroupRecorder`` watches the observing group, and returns every
@@ -69,6 +71,34 @@ def flat_shards_on_rank() -> dict:
             "pieces_norm": pieces, "norm": norm, "one_process": single,
             "loads_unwrapped": all(torch.equal(plain.state_dict()[n], t)
                                    for n, t in one.state_dict().items())}
+
+
+def precision_on_rank(compute_dtype=None) -> dict:
+    """One backward of ``stack()`` under ddplab's FSDP with ``compute_dtype``: the dtype of the
+    shards, of what the first layer computes with, of the gradients reduce-scattered and of
+    the pieces that come back, and the bytes all-gathered (the full weights, both gathers)."""
+    seen = {"all_gather_bytes": 0}
+
+    class Watched(FSDP):
+        def all_gather(self, unit):
+            fulls = super().all_gather(unit)
+            seen["all_gather_bytes"] += sum(t.numel() * t.element_size() for t in fulls)
+            return fulls
+
+        def reduce_scatter(self, unit, grads):
+            seen["grad_reduced_from"] = next(g.dtype for g in grads if g is not None)
+            pieces = super().reduce_scatter(unit, grads)
+            seen["piece"] = next(q.dtype for q in pieces if q is not None)
+            return pieces
+
+    fsdp = Watched(stack(), compute_dtype=compute_dtype)
+    first = fsdp.module[0]  # after FSDP's own pre-hook: the full weight is in, the input cast
+    first.register_forward_pre_hook(
+        lambda m, args: seen.update(weight=m.weight.dtype, input=args[0].dtype))
+    fsdp.module[1].register_forward_hook(lambda m, args, out: seen.update(output=out.dtype))
+    x = torch.randn(8, 12, generator=torch.Generator().manual_seed(dist.get_rank()))
+    fsdp(x).float().square().mean().backward()
+    return {**seen, "shard": first.weight.dtype, "shard_grad": first.weight.grad.dtype}
 
 
 def traffic_on_rank(name: str) -> dict:
