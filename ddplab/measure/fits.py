@@ -10,6 +10,10 @@ the step's communication costs. For a model, a world size p and a link:
 - ``zero1``: as ddp, but the state of its share only (whole parameters dealt
   largest first to the rank with the least, torch's rule). It all-reduces P
   and broadcasts P (every rank passes the whole tensor to the broadcast).
+- ``zero2`` (asked for by name): the parameters P; of the gradients and the
+  state only an even slice, 1/p of the flattened model (ceil), with its
+  float32 copy (counted as state: the paper's K counts the masters). It
+  reduce-scatters the gradients and all-gathers the slices: DDP's ring bytes.
 - ``fsdp``: the rank's shard of each sharded weight (ceil(numel/p) elements,
   padded), of its gradient and of its state; replicated parameters whole. It
   all-gathers its shard twice (forward and backward) and reduce-scatters the
@@ -54,6 +58,7 @@ from torch import nn
 from ddplab.netsim.link import LinkModel
 
 ROWS = ("ddp", "zero1", "fsdp")
+KNOWN = (*ROWS, "zero2")  # zero2: ddplab.sync.core.zero2, the paper's stage 2 (asked for by name)
 STATE_TENSORS = {torch.optim.Adam: 2, torch.optim.AdamW: 2, torch.optim.SGD: 0}
 
 
@@ -98,8 +103,8 @@ def predict_memory(model: nn.Module, world_size: int, example, row: str,
                    optimizer_cls=torch.optim.Adam, shard=(nn.Linear, nn.Embedding),
                    rank: int = 0) -> dict:
     """Bytes one rank holds under ``row``: params, grads, optimizer_state, peak."""
-    if row not in ROWS:
-        raise ValueError(f"row must be one of {', '.join(ROWS)}, not {row!r}")
+    if row not in KNOWN:
+        raise ValueError(f"row must be one of {', '.join(KNOWN)}, not {row!r}")
     p, params = world_size, list(model.parameters())
     numels = [t.numel() for t in params]
     full = 4 * sum(numels)
@@ -110,6 +115,13 @@ def predict_memory(model: nn.Module, world_size: int, example, row: str,
         state = _state(share, optimizer_cls)
         held = {"params": full, "grads": full, "optimizer_state": state}
         extra = full + largest  # DDP's buckets, the optimizer's temporary
+    elif row == "zero2":  # an even slice of n elements: its gradient, state and float32 copy
+        n = -(-sum(numels) // p)
+        held = {"params": full, "grads": 4 * n,
+                "optimizer_state": _state([n], optimizer_cls) + 4 * n}
+        # backward's whole gradients with the activations, or in the step the whole gradients,
+        # their flat padded copy and the gathered parameters
+        extra = max(acts + full, 2 * full + 4 * n * p) - acts - 4 * n
     else:
         units = [[q.numel() for q in m.parameters(recurse=False)]
                  for m in model.modules() if isinstance(m, shard)]
@@ -135,6 +147,9 @@ def predict_bytes(model: nn.Module, world_size: int, row: str,
         return {"all_reduce": full}  # DDP all-reduces on one rank too
     if row == "zero1":
         return {"all_reduce": full, "broadcast": full}
+    if row == "zero2":  # the whole padded gradient in, this rank's slice out to the gather
+        n = -(-full // 4 // p)
+        return {"reduce_scatter_tensor": 4 * n * p, "all_gather_into_tensor": 4 * n}
     units = [q.numel() for m in model.modules() if isinstance(m, shard)
              for q in m.parameters(recurse=False)]
     out = {"all_gather_into_tensor": 2 * 4 * sum(-(-n // p) for n in units),
@@ -154,6 +169,9 @@ def predict_calls(model: nn.Module, world_size: int, row: str,
         n = max(1, -(-full // int(cap)))
         calls = [("all_reduce", full / n)] * n
         return calls + ([("broadcast", 4 * t.numel()) for t in params] if row == "zero1" else [])
+    if row == "zero2":
+        padded = 4 * -(-sum(t.numel() for t in params) // p) * p
+        return [("reduce_scatter", padded), ("all_gather", padded)]
     calls, ids = [], set()
     for m in model.modules():
         if isinstance(m, shard):
