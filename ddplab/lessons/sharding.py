@@ -108,6 +108,13 @@ def traffic_on_rank(name: str) -> dict:
     rec = Recorder(name, rank, ws)
     watch = GroupRecorder(rec, model.parameters(), broadcasts=True)  # ZeRO-1's step
     x = torch.randn(8, 12, generator=torch.Generator().manual_seed(rank))
+    # the ZeRO rows bring their sharded optimizer (it broadcasts in its step); the others SGD.
+    # Built and stepped once (no gradients yet: no update) before the recorded step: torch's
+    # ZeroRedundancyOptimizer's first import and first step take hundreds of milliseconds,
+    # which would squeeze every other panel of the shared time axis.
+    make_optimizer = getattr(built, "optimizer", None) or torch.optim.SGD
+    optimizer = make_optimizer(list(built.model.parameters()), lr=0.1)
+    optimizer.step()
     rec.begin_iteration(0)
     with watch.watching(), rec.phase("forward"):
         out = built.model(x)
@@ -115,9 +122,6 @@ def traffic_on_rank(name: str) -> dict:
         out.square().mean().backward()
         if built.after_backward is not None:
             built.after_backward()
-    # the ZeRO rows bring their sharded optimizer (it broadcasts in its step); the others SGD
-    make_optimizer = getattr(built, "optimizer", None) or torch.optim.SGD
-    optimizer = make_optimizer(list(built.model.parameters()), lr=0.1)
     with watch.watching(phase="step"), rec.phase("step"):
         optimizer.step()
     end = watch.end_iteration()
