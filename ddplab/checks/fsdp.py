@@ -28,7 +28,7 @@ from __future__ import annotations
 import itertools
 
 from ddplab.checks import graders
-from ddplab.checks.mistakes import CheckFailed
+from ddplab.checks.mistakes import HUNG, CheckFailed
 from ddplab.cluster.errors import RankError
 from ddplab.pg.group import ObserverBase, observe
 from ddplab.pg.inner import payload_bytes
@@ -216,6 +216,13 @@ def check_fsdp_collectives(cluster, gather_full, reduce_scatter_grad):
     try:
         worst = cluster.run(_on_rank, gather_full, reduce_scatter_grad)
     except RankError as err:
+        said = " ".join(f"{type(e).__name__} {e}" for e in err.exceptions.values() if e is not None)
+        if any(w in said.lower() for w in ("timed out", "timeout", "connection closed")):
+            # a collective not every rank made: one rank waited it out, the other saw it go
+            cluster.ensure_ready(stale="FSDP's check stopped in a collective that not every "
+                                       "rank made.")
+            raise CheckFailed(HUNG, str(err).splitlines()[0] + "\nEvery rank must make every "
+                              "all-gather and reduce-scatter, with the same sizes.") from None
         raise graders.from_rank_error(err) from None
     graders.passed["fsdp"] = True
     print(f"FSDP gather and reduce-scatter: passed. Correct on {cluster.world_size} ranks (weights of "
