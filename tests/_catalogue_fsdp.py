@@ -170,6 +170,34 @@ class fsdp_divides_twice:
         return _reduce_scatter(full_grad / dist.get_world_size(group), group)
 
 
+class fsdp_pads_one_more:
+    """n = numel // world_size + 1: ceil wherever numel does not divide (every odd weight at
+    2 ranks), one too many where it does."""
+    gather_full = staticmethod(_gather)
+
+    @staticmethod
+    def reduce_scatter_grad(full_grad, group=None):
+        ws = dist.get_world_size(group)
+        n = full_grad.numel() // ws + 1
+        flat = F.pad(full_grad.reshape(-1), (0, n * ws - full_grad.numel()))
+        out = flat.new_empty(n)
+        dist.reduce_scatter_single(out, flat, group=group)
+        return out / ws
+
+
+class fsdp_gathers_whole_gradients:
+    """Right values, world_size times the bytes: every rank's whole gradient to every rank."""
+    gather_full = staticmethod(_gather)
+
+    @staticmethod
+    def reduce_scatter_grad(full_grad, group=None):
+        flat, n, ws = _padded(full_grad, group)
+        every = flat.new_empty(ws * flat.numel())
+        dist.all_gather_single(every, flat, group=group)
+        rank = dist.get_rank(group)
+        return every.view(ws, -1).sum(0)[rank * n:(rank + 1) * n] / ws
+
+
 FSDP_COLLECTIVES = {
     "check": lambda cluster, fn: FC.check_fsdp_collectives(cluster, fn.gather_full,
                                                            fn.reduce_scatter_grad),
@@ -180,5 +208,7 @@ FSDP_COLLECTIVES = {
               (fsdp_gathers_reversed, FC.WRONG_ORDER), (fsdp_no_division, FC.NO_DIVISION),
               (fsdp_no_reduce, FC.NOT_REDUCED), (fsdp_returns_whole_average, FC.WHOLE_GRADIENT),
               (fsdp_all_reduce_then_cut, FC.ALL_REDUCED), (fsdp_next_ranks_piece, FC.WRONG_PIECE),
-              (fsdp_no_padding, RAISED), (fsdp_divides_twice, FC.SCATTER_WRONG)],
+              (fsdp_no_padding, RAISED), (fsdp_divides_twice, FC.SCATTER_WRONG),
+              (fsdp_pads_one_more, FC.WRONG_PADDING),
+              (fsdp_gathers_whole_gradients, FC.GATHERED_GRADIENTS)],
 }

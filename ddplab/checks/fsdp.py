@@ -1,8 +1,8 @@
 """Grader for FSDP's two collectives: your gather-before-use and your gradient reduce-scatter.
 
 ``check_fsdp_collectives(cluster, gather_full, reduce_scatter_grad)`` runs on
-the live ranks, for weights whose size does NOT divide by the world size
-(so the padding matters):
+the live ranks, for a weight of 35 elements (padded at 2 and 3 ranks) and
+one of 36 (padded at neither: a padding rule that is not ceil shows there):
 
 - ``gather_full(shard, numel, shape, group=None)``: this rank's padded piece
   (rank r holds elements ``r*len(shard)`` to ``(r+1)*len(shard)`` of the
@@ -15,7 +15,9 @@ the answers the usual mistakes give (its own shard only, the sum, the whole
 averaged gradient, another rank's piece, the padding left in); and WHAT was
 SENT: the payload bytes the rank's observing group was handed, which a
 gather must keep to the shard (an all-reduce of a zero-padded full weight
-gets the right values for the price of the whole weight). Then both run
+gets the right values for the price of the whole weight), and the reduce's
+ring bytes, which must not exceed a reduce-scatter's (gathering every whole
+gradient and averaging locally is right in value, world_size times the bytes). Then both run
 inside ddplab's reference FSDP (``ddplab.sync.core.fsdp``) for two training
 steps, which must equal the reference's.
 
@@ -26,7 +28,7 @@ from __future__ import annotations
 import itertools
 
 from ddplab.checks import graders
-from ddplab.checks.mistakes import CheckFailed
+from ddplab.checks.mistakes import HUNG, CheckFailed
 from ddplab.cluster.errors import RankError
 from ddplab.pg.group import ObserverBase, observe
 from ddplab.pg.inner import payload_bytes
@@ -42,6 +44,9 @@ WHOLE_GRADIENT = "the whole averaged gradient came back, not this rank's piece"
 WRONG_PIECE = "another rank's piece of the gradient"
 SCATTER_WRONG = "the gradient piece differs from the average over ranks"
 ALL_REDUCED = "the gradient was all-reduced, then cut"
+WRONG_PADDING = "the gradient piece has the wrong length: padded to another size than ceil"
+GATHERED_GRADIENTS = "every whole gradient was gathered and averaged on each rank"
+SCATTER_TOO_MANY_BYTES = "the reduce step sent more than a reduce-scatter's ring bytes"
 TRAINS_WRONG = "inside FSDP, training differs from the reference"
 
 EXPLAIN = {
@@ -62,19 +67,29 @@ EXPLAIN = {
     SCATTER_WRONG: "",
     ALL_REDUCED: "an all-reduce sends each rank the whole average, twice a reduce-scatter's ring "
                  "traffic (it IS a reduce-scatter followed by an all-gather): reduce_scatter_single.",
+    WRONG_PADDING: "each rank's piece is n = ceil(numel / world_size) elements (-(-numel // "
+                   "world_size)); pad the flat gradient to n * world_size.",
+    GATHERED_GRADIENTS: "the values are right, but each rank sent its whole gradient to every "
+                        "other rank: world_size times a reduce-scatter's ring bytes. "
+                        "dist.reduce_scatter_single sums piece r onto rank r only.",
+    SCATTER_TOO_MANY_BYTES: "a reduce-scatter sends (world_size - 1) / world_size of the padded "
+                            "gradient per rank: use dist.reduce_scatter_single alone.",
     TRAINS_WRONG: "",
 }
 graders.TITLES.setdefault("fsdp", "FSDP gather and reduce-scatter")
 SHAPE = (5, 7)  # 35 elements: padded at 2 and at 3 ranks
+SHAPES = (SHAPE, (6, 6))  # and 36: no padding at 2 or 3 ranks, where a wrong padding rule shows
 
 
 class _Bytes(ObserverBase):
     def __init__(self):
-        self.nbytes, self.ops = 0, []
+        self.nbytes, self.ops, self.calls = 0, [], []
 
     def launched(self, op, tensors, group, peer):
-        self.nbytes += sum(payload_bytes(t) for t in tensors)
+        nbytes = sum(payload_bytes(t) for t in tensors)
+        self.nbytes += nbytes
         self.ops.append(op)
+        self.calls.append((op, nbytes))
 
 
 def _close(a, b) -> bool:
@@ -84,19 +99,33 @@ def _close(a, b) -> bool:
         a.double(), b.double(), atol=1e-6, rtol=1e-6)
 
 
+def _ring_bytes(ops_bytes, p) -> float:
+    """What the rank sent in a ring for the calls it made (all-gathers: handed their input)."""
+    factor = {"all_reduce": 2 * (p - 1) / p, "broadcast": (p - 1) / p}
+    return sum(n * ((p - 1) if "all_gather" in op else (p - 1) / p if "reduce_scatter" in op
+                    else factor.get(op, 1)) for op, n in ops_bytes)
+
+
 def _on_rank(gather_full, reduce_scatter_grad):
+    for shape in SHAPES:
+        _values(gather_full, reduce_scatter_grad, shape)
+    return _trains_like_the_reference(gather_full, reduce_scatter_grad)
+
+
+def _values(gather_full, reduce_scatter_grad, shape):
     import torch
     import torch.distributed as dist
     import torch.nn.functional as F
 
     rank, ws = dist.get_rank(), dist.get_world_size()
-    weight = torch.arange(35, dtype=torch.float32).view(SHAPE) + 1
-    n = -(-35 // ws)
-    padded = F.pad(weight.reshape(-1), (0, n * ws - 35))
+    numel = shape[0] * shape[1]
+    weight = torch.arange(numel, dtype=torch.float32).view(shape) + 1
+    n = -(-numel // ws)
+    padded = F.pad(weight.reshape(-1), (0, n * ws - numel))
     shard = padded[rank * n:(rank + 1) * n].clone()
     seen = _Bytes()
     with observe(seen):
-        full = gather_full(shard.clone(), 35, SHAPE)
+        full = gather_full(shard.clone(), numel, shape)
     full = None if full is None else torch.as_tensor(full).detach()
     if not _close(full, weight):
         if full is not None and full.numel() == n:
@@ -104,18 +133,18 @@ def _on_rank(gather_full, reduce_scatter_grad):
         if full is not None and full.numel() == n * ws and _close(full.reshape(-1), padded):
             raise CheckFailed(PADDING_LEFT, EXPLAIN[PADDING_LEFT])
         pieces = list(padded.view(ws, n))
-        if full is not None and full.numel() == 35 and any(  # the right pieces, another order
-                _close(full.reshape(-1), torch.cat(order)[:35])
+        if full is not None and full.numel() == numel and any(  # the right pieces, another order
+                _close(full.reshape(-1), torch.cat(order)[:numel])
                 for order in itertools.permutations(pieces)):
             raise CheckFailed(WRONG_ORDER, EXPLAIN[WRONG_ORDER])
         raise CheckFailed(GATHER_WRONG, f"rank {rank} got {None if full is None else tuple(full.shape)}"
-                                        f" where the weight is {SHAPE}")
+                                        f" where the weight is {shape}")
     if seen.nbytes > shard.numel() * shard.element_size():
         raise CheckFailed(GATHER_TOO_MANY_BYTES, f"handed {seen.nbytes} bytes ({', '.join(seen.ops)})"
                           f"; the shard is {shard.numel() * 4}. " + EXPLAIN[GATHER_TOO_MANY_BYTES])
 
-    grads = [torch.randn(SHAPE, generator=torch.Generator().manual_seed(r)) for r in range(ws)]
-    flat = [F.pad(g.reshape(-1), (0, n * ws - 35)) for g in grads]
+    grads = [torch.randn(shape, generator=torch.Generator().manual_seed(r)) for r in range(ws)]
+    flat = [F.pad(g.reshape(-1), (0, n * ws - numel)) for g in grads]
     total = torch.stack(flat).double().sum(0)
     seen = _Bytes()
     with observe(seen):
@@ -125,16 +154,25 @@ def _on_rank(gather_full, reduce_scatter_grad):
     if not _close(mine, answer):
         wrong = [(flat[rank][rank * n:(rank + 1) * n], NOT_REDUCED),
                  (total[rank * n:(rank + 1) * n], NO_DIVISION),
-                 (total / ws, WHOLE_GRADIENT), ((total / ws)[:35], WHOLE_GRADIENT)]
+                 (total / ws, WHOLE_GRADIENT), ((total / ws)[:numel], WHOLE_GRADIENT)]
         wrong += [((total / ws)[r * n:(r + 1) * n], WRONG_PIECE) for r in range(ws) if r != rank]
         for value, mistake in wrong:
             if _close(mine, value):
                 raise CheckFailed(mistake, EXPLAIN[mistake])
+        if mine is not None and mine.numel() != n:
+            raise CheckFailed(WRONG_PADDING, f"rank {rank}: {mine.numel()} elements for a weight of "
+                                             f"{numel} at {ws} ranks, where n = {n}. "
+                                             + EXPLAIN[WRONG_PADDING])
         raise CheckFailed(SCATTER_WRONG, f"rank {rank}: expected {n} values, the average of the "
                                          f"ranks' gradients in piece {rank}")
     if "all_reduce" in seen.ops:
         raise CheckFailed(ALL_REDUCED, EXPLAIN[ALL_REDUCED])
-    return _trains_like_the_reference(gather_full, reduce_scatter_grad)
+    sent, allowed = _ring_bytes(seen.calls, ws), (ws - 1) / ws * 4 * n * ws
+    if sent > allowed * (1 + 1e-9):
+        mistake = GATHERED_GRADIENTS if any("all_gather" in op for op in seen.ops) \
+            else SCATTER_TOO_MANY_BYTES
+        raise CheckFailed(mistake, f"rank {rank} sent {sent:.0f} ring bytes where a reduce-scatter "
+                                   f"sends {allowed:.0f}. " + EXPLAIN[mistake])
 
 
 def _trains_like_the_reference(gather_full, reduce_scatter_grad) -> float:
@@ -178,9 +216,16 @@ def check_fsdp_collectives(cluster, gather_full, reduce_scatter_grad):
     try:
         worst = cluster.run(_on_rank, gather_full, reduce_scatter_grad)
     except RankError as err:
+        said = " ".join(f"{type(e).__name__} {e}" for e in err.exceptions.values() if e is not None)
+        if any(w in said.lower() for w in ("timed out", "timeout", "connection closed")):
+            # a collective not every rank made: one rank waited it out, the other saw it go
+            cluster.ensure_ready(stale="FSDP's check stopped in a collective that not every "
+                                       "rank made.")
+            raise CheckFailed(HUNG, str(err).splitlines()[0] + "\nEvery rank must make every "
+                              "all-gather and reduce-scatter, with the same sizes.") from None
         raise graders.from_rank_error(err) from None
     graders.passed["fsdp"] = True
-    print(f"FSDP gather and reduce-scatter: passed. Correct on {cluster.world_size} ranks (a weight of "
-          f"35 elements, padded), and two training steps inside FSDP equal the reference "
+    print(f"FSDP gather and reduce-scatter: passed. Correct on {cluster.world_size} ranks (weights of "
+          f"35 and 36 elements), and two training steps inside FSDP equal the reference "
           f"(largest difference {max(worst):.1e}).")
     return True

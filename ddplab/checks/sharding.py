@@ -165,6 +165,10 @@ def check_sharded_step(cluster, fn, *, timeout: float = 60.0) -> list:
         if isinstance(err, TimeoutError) or "imeout" in str(err):
             raise CheckFailed(HUNG, str(err).splitlines()[0] + HUNG_HOW) from None
         raise CheckFailed(RAISED, str(err).splitlines()[0]) from None
+    if all(r["error"] and r["error"][0] == "NotImplementedError" for r in per_rank):
+        # the untouched exercise: every rank stopped at the same line, before any broadcast,
+        # so nothing is half-done and the ranks stay as they are
+        raise CheckFailed(NOT_IMPLEMENTED)
     if any(r["error"] for r in per_rank):  # a broadcast may be left half-done inside gloo
         cluster.ensure_ready(stale="The sharded step stopped halfway: a broadcast may still "
                                    "be posted inside gloo.")

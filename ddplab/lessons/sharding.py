@@ -2,7 +2,11 @@
 
 Teaches, on the live ranks: ``holds_on_rank`` wraps one model in the
 reference FSDP (``ddplab.sync.core.fsdp``) and reports the parameter bytes a
-rank holds between layers against the full model's; ``traffic_on_rank``
+rank holds between layers against the full model's; ``flat_shards_on_rank``
+shows what flat pieces change (``p.ndim``, torch's ``clip_grad_norm_``) and
+what the FSDP's own methods give instead; ``precision_on_rank`` what
+``compute_dtype`` changes (the gathered weights, the compute, the gradients
+before the float32 reduce-scatter) and what it leaves float32; ``traffic_on_rank``
 runs one training step of a registered strategy (``ddp``, ``zero1``,
 ``torch_zero``, ``fsdp``, ``torch_fsdp2``), its optimizer's step included,
 while a ``GroupRecorder`` watches the observing group, and returns every
@@ -46,6 +50,57 @@ def holds_on_rank() -> dict:
             "full_shapes": gathered}
 
 
+def flat_shards_on_rank() -> dict:
+    """One backward of ``stack()`` under ddplab's FSDP, whose pieces are flat: what ``p.ndim``
+    and torch's ``clip_grad_norm_`` over the pieces say, against ``full_shape``,
+    ``FSDP.clip_grad_norm_`` and one process training on every rank's batch."""
+    rank, ws = dist.get_rank(), dist.get_world_size()
+    batches = [torch.randn(8, 12, generator=torch.Generator().manual_seed(r)) for r in range(ws)]
+    fsdp = FSDP(stack())
+    fsdp(batches[rank]).square().mean().backward()
+    fsdp.finish_gradient_synchronization()
+    pieces = float(torch.nn.utils.get_total_norm([p.grad for p in fsdp.parameters()]))
+    norm = float(fsdp.clip_grad_norm_(float("inf")))  # max_norm inf: measures, scales nothing
+    one = stack()
+    (sum(one(x).square().mean() for x in batches) / ws).backward()
+    single = float(torch.nn.utils.clip_grad_norm_(one.parameters(), float("inf")))
+    plain = stack()
+    plain.load_state_dict(fsdp.full_state_dict())  # raises if a shape does not fit
+    return {"ndim": {n: p.ndim for n, p in fsdp.module.named_parameters()},
+            "full_ndim": {n: len(fsdp.full_shape(p)) for n, p in fsdp.module.named_parameters()},
+            "pieces_norm": pieces, "norm": norm, "one_process": single,
+            "loads_unwrapped": all(torch.equal(plain.state_dict()[n], t)
+                                   for n, t in one.state_dict().items())}
+
+
+def precision_on_rank(compute_dtype=None) -> dict:
+    """One backward of ``stack()`` under ddplab's FSDP with ``compute_dtype``: the dtype of the
+    shards, of what the first layer computes with, of the gradients reduce-scattered and of
+    the pieces that come back, and the bytes all-gathered (the full weights, both gathers)."""
+    seen = {"all_gather_bytes": 0}
+
+    class Watched(FSDP):
+        def all_gather(self, unit):
+            fulls = super().all_gather(unit)
+            seen["all_gather_bytes"] += sum(t.numel() * t.element_size() for t in fulls)
+            return fulls
+
+        def reduce_scatter(self, unit, grads):
+            seen["grad_reduced_from"] = next(g.dtype for g in grads if g is not None)
+            pieces = super().reduce_scatter(unit, grads)
+            seen["piece"] = next(q.dtype for q in pieces if q is not None)
+            return pieces
+
+    fsdp = Watched(stack(), compute_dtype=compute_dtype)
+    first = fsdp.module[0]  # after FSDP's own pre-hook: the full weight is in, the input cast
+    first.register_forward_pre_hook(
+        lambda m, args: seen.update(weight=m.weight.dtype, input=args[0].dtype))
+    fsdp.module[1].register_forward_hook(lambda m, args, out: seen.update(output=out.dtype))
+    x = torch.randn(8, 12, generator=torch.Generator().manual_seed(dist.get_rank()))
+    fsdp(x).float().square().mean().backward()
+    return {**seen, "shard": first.weight.dtype, "shard_grad": first.weight.grad.dtype}
+
+
 def traffic_on_rank(name: str) -> dict:
     rank, ws = dist.get_rank(), dist.get_world_size()
     model = stack()
@@ -53,6 +108,13 @@ def traffic_on_rank(name: str) -> dict:
     rec = Recorder(name, rank, ws)
     watch = GroupRecorder(rec, model.parameters(), broadcasts=True)  # ZeRO-1's step
     x = torch.randn(8, 12, generator=torch.Generator().manual_seed(rank))
+    # the ZeRO rows bring their sharded optimizer (it broadcasts in its step); the others SGD.
+    # Built and stepped once (no gradients yet: no update) before the recorded step: torch's
+    # ZeroRedundancyOptimizer's first import and first step take hundreds of milliseconds,
+    # which would squeeze every other panel of the shared time axis.
+    make_optimizer = getattr(built, "optimizer", None) or torch.optim.SGD
+    optimizer = make_optimizer(list(built.model.parameters()), lr=0.1)
+    optimizer.step()
     rec.begin_iteration(0)
     with watch.watching(), rec.phase("forward"):
         out = built.model(x)
@@ -60,9 +122,6 @@ def traffic_on_rank(name: str) -> dict:
         out.square().mean().backward()
         if built.after_backward is not None:
             built.after_backward()
-    # the ZeRO rows bring their sharded optimizer (it broadcasts in its step); the others SGD
-    make_optimizer = getattr(built, "optimizer", None) or torch.optim.SGD
-    optimizer = make_optimizer(list(built.model.parameters()), lr=0.1)
     with watch.watching(phase="step"), rec.phase("step"):
         optimizer.step()
     end = watch.end_iteration()

@@ -10,6 +10,10 @@ the step's communication costs. For a model, a world size p and a link:
 - ``zero1``: as ddp, but the state of its share only (whole parameters dealt
   largest first to the rank with the least, torch's rule). It all-reduces P
   and broadcasts P (every rank passes the whole tensor to the broadcast).
+- ``zero2`` (asked for by name): the parameters P; of the gradients and the
+  state only an even slice, 1/p of the flattened model (ceil), with its
+  float32 copy (counted as state: the paper's K counts the masters). It
+  reduce-scatters the gradients and all-gathers the slices: DDP's ring bytes.
 - ``fsdp``: the rank's shard of each sharded weight (ceil(numel/p) elements,
   padded), of its gradient and of its state; replicated parameters whole. It
   all-gathers its shard twice (forward and backward) and reduce-scatters the
@@ -20,13 +24,22 @@ the step's communication costs. For a model, a world size p and a link:
   and, under FSDP, a layer gathered whole with its full gradient and the
   padded copy it reduce-scatters.
 
+Ring bytes per rank, for each call of N bytes (the full size) over p
+ranks: an all-reduce sends 2(p-1)/p N (a reduce-scatter, then an
+all-gather), an all-gather or a reduce-scatter (p-1)/p N, a broadcast
+passed along a ring (every rank but the last forwards N) (p-1)/p N on
+average. ``ring_bytes`` sums them; ``sent_by_op`` is what a rank hands the
+group (the tensors it passes, as ``memory.measure`` counts them), another
+figure.
+
 Communication time (ring, ``ddplab.netsim.link.LinkModel``): an all-reduce of
-N bytes 2(p-1) alpha + 2(p-1)/p N / bandwidth; an all-gather or
-reduce-scatter of N bytes (the full size) half of that, each call paying
-its own alpha; a broadcast is timed as an all-reduce (an upper bound: it
-moves N once, not twice). Every collective is waited for (no overlap with
-compute), and DDP's buckets are cut at the cap in bytes, not by torch's
-rebuild rule (ddplab.measure.whatif has that).
+N bytes 2(p-1) alpha + 2(p-1)/p N / bandwidth; an all-gather, a
+reduce-scatter or a broadcast of N bytes half of that, each call paying its
+own alpha. For the broadcast that is the ring's average per rank: a chain
+pipelined in small pieces takes nearer N / bandwidth (plus its latencies), so
+its bandwidth term is (p-1)/p of the chain's (half at 2 ranks). Every collective is waited
+for (no overlap with compute), and DDP's buckets are cut at the cap in bytes,
+not by torch's rebuild rule (ddplab.measure.whatif has that).
 
 Leaves out: the allocator (its caching and rounding, on GPU), the Python
 heap, gloo's and NCCL's own buffers, buffers (BatchNorm statistics),
@@ -45,6 +58,7 @@ from torch import nn
 from ddplab.netsim.link import LinkModel
 
 ROWS = ("ddp", "zero1", "fsdp")
+KNOWN = (*ROWS, "zero2")  # zero2: ddplab.sync.core.zero2, the paper's stage 2 (asked for by name)
 STATE_TENSORS = {torch.optim.Adam: 2, torch.optim.AdamW: 2, torch.optim.SGD: 0}
 
 
@@ -89,8 +103,8 @@ def predict_memory(model: nn.Module, world_size: int, example, row: str,
                    optimizer_cls=torch.optim.Adam, shard=(nn.Linear, nn.Embedding),
                    rank: int = 0) -> dict:
     """Bytes one rank holds under ``row``: params, grads, optimizer_state, peak."""
-    if row not in ROWS:
-        raise ValueError(f"row must be one of {', '.join(ROWS)}, not {row!r}")
+    if row not in KNOWN:
+        raise ValueError(f"row must be one of {', '.join(KNOWN)}, not {row!r}")
     p, params = world_size, list(model.parameters())
     numels = [t.numel() for t in params]
     full = 4 * sum(numels)
@@ -101,6 +115,13 @@ def predict_memory(model: nn.Module, world_size: int, example, row: str,
         state = _state(share, optimizer_cls)
         held = {"params": full, "grads": full, "optimizer_state": state}
         extra = full + largest  # DDP's buckets, the optimizer's temporary
+    elif row == "zero2":  # an even slice of n elements: its gradient, state and float32 copy
+        n = -(-sum(numels) // p)
+        held = {"params": full, "grads": 4 * n,
+                "optimizer_state": _state([n], optimizer_cls) + 4 * n}
+        # backward's whole gradients with the activations, or in the step the whole gradients,
+        # their flat padded copy and the gathered parameters
+        extra = max(acts + full, 2 * full + 4 * n * p) - acts - 4 * n
     else:
         units = [[q.numel() for q in m.parameters(recurse=False)]
                  for m in model.modules() if isinstance(m, shard)]
@@ -126,6 +147,9 @@ def predict_bytes(model: nn.Module, world_size: int, row: str,
         return {"all_reduce": full}  # DDP all-reduces on one rank too
     if row == "zero1":
         return {"all_reduce": full, "broadcast": full}
+    if row == "zero2":  # the whole padded gradient in, this rank's slice out to the gather
+        n = -(-full // 4 // p)
+        return {"reduce_scatter_tensor": 4 * n * p, "all_gather_into_tensor": 4 * n}
     units = [q.numel() for m in model.modules() if isinstance(m, shard)
              for q in m.parameters(recurse=False)]
     out = {"all_gather_into_tensor": 2 * 4 * sum(-(-n // p) for n in units),
@@ -145,6 +169,9 @@ def predict_calls(model: nn.Module, world_size: int, row: str,
         n = max(1, -(-full // int(cap)))
         calls = [("all_reduce", full / n)] * n
         return calls + ([("broadcast", 4 * t.numel()) for t in params] if row == "zero1" else [])
+    if row == "zero2":
+        padded = 4 * -(-sum(t.numel() for t in params) // p) * p
+        return [("reduce_scatter", padded), ("all_gather", padded)]
     calls, ids = [], set()
     for m in model.modules():
         if isinstance(m, shard):
@@ -155,11 +182,20 @@ def predict_calls(model: nn.Module, world_size: int, row: str,
     return calls + [("all_reduce", 4 * t.numel()) for t in params if id(t) not in ids]
 
 
+HALF = {"all_gather", "reduce_scatter", "broadcast"}  # half an all-reduce's steps and bytes
+
+
+def ring_bytes(calls, world_size: int) -> float:
+    """What one rank sends in a ring for these (op, full bytes) calls: an all-reduce
+    2(p-1)/p N, an all-gather, a reduce-scatter or a broadcast (p-1)/p N."""
+    p = world_size
+    return sum((1 if op in HALF else 2) * (p - 1) / p * n for op, n in calls)
+
+
 def comm_seconds(calls, world_size: int, link: LinkModel) -> float:
     """The alpha-beta time of the step's collectives on ``link`` (ring, nothing overlapped):
-    an all-gather or reduce-scatter is half an all-reduce of the full size."""
-    half = {"all_gather", "reduce_scatter"}
-    return sum(link.allreduce_seconds(n, world_size) / (2 if op in half else 1)
+    an all-gather, a reduce-scatter or a broadcast is half an all-reduce of the full size."""
+    return sum(link.allreduce_seconds(n, world_size) / (2 if op in HALF else 1)
                for op, n in calls)
 
 
@@ -172,22 +208,24 @@ def which_fits(model: nn.Module, world_size: int, example, link="10gbe",
     for row in ROWS:
         mem = max((predict_memory(model, world_size, example, row, optimizer_cls, rank=r)
                    for r in range(world_size)), key=lambda m: m["peak"])
-        sent = predict_bytes(model, world_size, row)
+        sent, calls = predict_bytes(model, world_size, row), predict_calls(model, world_size, row)
         out.append({"row": row, "world_size": world_size, **mem, "sent_by_op": sent,
-                    "comm_s": comm_seconds(predict_calls(model, world_size, row), world_size, link),
+                    "ring_bytes": ring_bytes(calls, world_size),
+                    "comm_s": comm_seconds(calls, world_size, link),
                     "link": link.label,
                     "fits": None if budget_bytes is None else mem["peak"] <= budget_bytes})
     return out
 
 
 def fits_table(answers) -> str:
-    """The answers as text, in MiB and milliseconds."""
+    """The answers as text, in MiB and milliseconds; ``ring MiB``: what one rank sends per
+    step in a ring (``ring_bytes``)."""
     mb = 2 ** 20
     lines = [(f"{'row':<7}{'ranks':>6}{'params':>9}{'grads':>9}{'state':>9}{'peak':>9}"
-              f"{'MiB/step':>10}{'comm ms':>9}  fits")]
+              f"{'ring MiB':>10}{'comm ms':>9}  fits")]
     for a in answers:
         lines.append(f"{a['row']:<7}{a['world_size']:>6}" + "".join(
             f"{a[f] / mb:>9.2f}" for f in ("params", "grads", "optimizer_state", "peak"))
-            + f"{sum(a['sent_by_op'].values()) / mb:>10.2f}{a['comm_s'] * 1e3:>9.2f}  "
+            + f"{a['ring_bytes'] / mb:>10.2f}{a['comm_s'] * 1e3:>9.2f}  "
             + {None: "-", True: "yes", False: "NO"}[a["fits"]])
     return "\n".join(lines)

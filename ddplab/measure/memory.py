@@ -101,11 +101,14 @@ def optimizer_state_tensors(optimizer) -> list:
 
 
 def held(model, optimizer) -> dict:
-    """What this rank holds now: parameters, gradients, optimizer state, in bytes."""
+    """What this rank holds now: parameters, gradients, optimizer state, in bytes. ZeRO-2's
+    float32 copy of its slice counts as optimizer state (the paper's K counts the masters
+    there), its slice's gradient as gradients."""
     params = list(model.parameters())
+    mine = [t for t in [getattr(optimizer, "master_slice", None)] if t is not None]
     return {"params": storage_bytes(params),
-            "grads": storage_bytes(p.grad for p in params),
-            "optimizer_state": storage_bytes(optimizer_state_tensors(optimizer))}
+            "grads": storage_bytes([*(p.grad for p in params), *(t.grad for t in mine)]),
+            "optimizer_state": storage_bytes([*optimizer_state_tensors(optimizer), *mine])}
 
 
 # -- the rows: how a rank trains ----------------------------------------------------------
@@ -134,6 +137,12 @@ def _torch_zero(model, optimizer_cls, **kwargs):
     return ddp, ZeroRedundancyOptimizer(ddp.parameters(), optimizer_cls, **kwargs)
 
 
+def _zero2(model, optimizer_cls, **kwargs):
+    from ddplab.sync.core.zero2 import ZeroTwo
+
+    return model, ZeroTwo(model.parameters(), optimizer_cls, **kwargs)  # no DDP: it reduces
+
+
 def _fsdp(model, optimizer_cls, **kwargs):
     from ddplab.sync.core.fsdp import FSDP
 
@@ -151,7 +160,7 @@ def _torch_fsdp2(model, optimizer_cls, **kwargs):
     return model, optimizer_cls(model.parameters(), **kwargs)
 
 
-ROWS = {"ddp": _ddp, "zero1": _zero1, "torch_zero": _torch_zero, "fsdp": _fsdp,
+ROWS = {"ddp": _ddp, "zero1": _zero1, "torch_zero": _torch_zero, "zero2": _zero2, "fsdp": _fsdp,
         "torch_fsdp2": _torch_fsdp2}
 
 

@@ -55,11 +55,13 @@ def _subtitle(name, tl, shown, own_labels):
     return text
 
 
-def compare_timelines_figure(timelines: dict, iterations=1, height=None) -> go.Figure:
+def compare_timelines_figure(timelines: dict, iterations=1, height=None,
+                             by_op=False) -> go.Figure:
     """Stacked Gantt panels, one per strategy, on one shared time axis.
 
     ``iterations`` as in ``gantt.select_iterations``: by default the last
-    counted iteration of each strategy, each starting at 0 ms.
+    counted iteration of each strategy, each starting at 0 ms. ``by_op``: colour the
+    collectives recorded from the group by operation, not by bucket.
     """
     names = list(timelines)
     n = max(1, len(names))
@@ -81,7 +83,7 @@ def compare_timelines_figure(timelines: dict, iterations=1, height=None) -> go.F
     for k, s in enumerate(names):
         tl, shown = timelines[s], shown_of[s]
         origin = origin_of(tl, shown)
-        traces, h = gantt_traces(tl, shown, origin)
+        traces, h = gantt_traces(tl, shown, origin, by_op=by_op)
         hidden += h
         for t in traces:  # one legend entry per kind of bar, from the first panel that has it
             t.showlegend = t.legendgroup not in in_legend
@@ -171,6 +173,6 @@ def one_axis_figure(runs: dict):
 
     timelines = {name: Timeline.merge([Timeline.from_dict(r["timeline"]) for r in per_rank])
                  for name, per_rank in runs.items()}
-    fig = compare_timelines_figure(timelines, iterations=[0])
+    fig = compare_timelines_figure(timelines, iterations=[0], by_op=True)
     fig.update_layout(title_text="One step per strategy, every collective drawn from the group")
     return fig

@@ -44,6 +44,26 @@ COMM_LABEL = "all-reduce (colour = bucket)"
 COMM_LABEL_SIMULATED = "all-reduce (colour = bucket, hatched = simulated link)"
 
 
+# Collectives recorded from the process group (FSDP, ZeRO): coloured by what they do, each with
+# a line saying it, instead of by DDP's bucket index.
+OP_STYLE = {
+    "all_reduce": ("all-reduce", "#d9480f", "every rank ends with the sum over ranks of the whole "
+                   "tensor (DDP: the gradients)"),
+    "all_gather_into_tensor": ("all-gather", "#7048e8", "every rank ends with every rank's piece, "
+                               "concatenated (FSDP: a layer's full weights)"),
+    "reduce_scatter_tensor": ("reduce-scatter", "#c2255c", "rank r ends with the sum over ranks "
+                              "of piece r only (FSDP: its shard of the gradient)"),
+    "broadcast": ("broadcast", "#e8a317", "every rank ends with the source rank's tensor "
+                  "(ZeRO-1: the owner's updated parameters)"),
+}
+
+
+def op_of(b):
+    """The collective a bar recorded from the group stands for (its params are (op, phase)),
+    or None for a DDP bucket."""
+    return b.params[0] if len(b.params) == 2 and b.params[0] in OP_STYLE else None
+
+
 def bucket_color(index: int) -> str:
     """The colour of bucket ``index``, the same in every figure."""
     return BUCKET_PALETTE[index % len(BUCKET_PALETTE)]
@@ -113,8 +133,10 @@ def _drawable(tl: Timeline, b) -> bool:
     return not (tl.backend == "nccl" and b.sources.get("comm_end", "cpu") == "cpu")
 
 
-def gantt_traces(tl: Timeline, iterations=None, origin=None, legend=True, name_suffix=""):
-    """Bar traces for ``tl``: one per compute phase, one for all bucket all-reduces.
+def gantt_traces(tl: Timeline, iterations=None, origin=None, legend=True, name_suffix="",
+                 by_op=False):
+    """Bar traces for ``tl``: one per compute phase, one for all bucket all-reduces (with
+    ``by_op``, where the bars were recorded from the group: one per collective operation).
 
     Returns (traces, hidden): ``hidden`` counts communication bars not drawn
     because only a host-side stamp exists.
@@ -143,14 +165,22 @@ def gantt_traces(tl: Timeline, iterations=None, origin=None, legend=True, name_s
                 marker=dict(color=PHASE_COLORS[phase], line=dict(width=0.5, color="white")),
                 hovertext=hover, hovertemplate="%{hovertext}<extra></extra>",
                 legendgroup=phase, showlegend=legend))
-    y, x, base, hover, colors, patterns, labels, index = [], [], [], [], [], [], [], []
+    drawn = []
     for b in sorted(tl.buckets, key=lambda b: (b.iteration, b.rank, b.index)):
-        span = b.comm_interval()
-        if b.iteration not in shown or span is None:
+        if b.iteration not in shown or b.comm_interval() is None:
             continue
         if not _drawable(tl, b):
             hidden += 1
             continue
+        drawn.append(b)
+    if by_op and any(op_of(b) for b in drawn):  # recorded from the group: one trace per op
+        for op, (label, color, what) in OP_STYLE.items():
+            traces += _op_trace(tl, [b for b in drawn if op_of(b) == op], origin, label, color,
+                                what, legend, name_suffix)
+        return traces, hidden
+    y, x, base, hover, colors, patterns, labels, index = [], [], [], [], [], [], [], []
+    for b in drawn:
+        span = b.comm_interval()
         a, e = _ms(span[0], origin), _ms(span[1], origin)
         ready = "?" if b.grads_ready is None else f"{_ms(b.grads_ready, origin):.1f}"
         launch = "?" if b.launch is None else f"{_ms(b.launch, origin):.1f}"
@@ -182,6 +212,28 @@ def gantt_traces(tl: Timeline, iterations=None, origin=None, legend=True, name_s
             hovertext=hover, hovertemplate="%{hovertext}<extra></extra>",
             legendgroup="comm", showlegend=legend))
     return traces, hidden
+
+
+def _op_trace(tl, buckets, origin, label, color, what, legend, name_suffix) -> list:
+    """One trace for every call of one collective: its colour, and hover text that says what it
+    does, in which phase, how many bytes the rank handed the group, and when."""
+    y, x, base, hover = [], [], [], []
+    for b in buckets:
+        a, e = (_ms(t, origin) for t in b.comm_interval())
+        y.append(f"rank {b.rank} comm")
+        base.append(a)
+        x.append(e - a)
+        hover.append(f"<b>{label}</b> · rank {b.rank} · iteration {b.iteration} · {b.params[1]}"
+                     f"<br>{what}"
+                     f"<br>{b.nbytes:,} bytes handed to the group ({b.nbytes / 2**20:.2f} MiB)"
+                     f"<br>params: {b.params[0]}, {b.params[1]}<br>in flight {a:.1f} → {e:.1f} ms"
+                     f" = <b>{e - a:.1f} ms</b>")
+    if not x:
+        return []
+    return [go.Bar(name=label + name_suffix, orientation="h", y=y, x=x, base=base,
+                   marker=dict(color=color, line=dict(width=0.5, color="white")),
+                   hovertext=hover, hovertemplate="%{hovertext}<extra></extra>",
+                   legendgroup=f"comm {label}", showlegend=legend)]
 
 
 def flagged_spans(tl: Timeline, iterations=None, origin=None):

@@ -49,11 +49,16 @@ def test_which_fits_says_which_row_fits_a_budget_and_what_it_costs():
     alpha, bw = 20e-6, 10e9 / 8
     allreduce = 6 * alpha + 1.5 * full / bw
     assert answers["ddp"]["comm_s"] == pytest.approx(allreduce)
-    # ShardedOptimizer broadcasts each of the 8 parameters: 8 more alphas' worth of calls
-    assert answers["zero1"]["comm_s"] == pytest.approx(allreduce + 8 * 6 * alpha + 1.5 * full / bw)
+    # ShardedOptimizer broadcasts each of the 8 parameters, each timed as a ring's (p-1)/p N
+    assert answers["zero1"]["comm_s"] == pytest.approx(allreduce + 8 * 3 * alpha + 0.75 * full / bw)
     # per layer (4) two all-gathers and a reduce-scatter, each half an all-reduce of the layer
     assert answers["fsdp"]["comm_s"] == pytest.approx(12 * 3 * alpha + 3 * 0.75 * full / bw)
     assert answers["fsdp"]["params"] == full // 4
+    # ring bytes per rank: DDP 2(p-1)/p; ZeRO-1 with broadcasts and FSDP both 1.5x that
+    assert answers["ddp"]["ring_bytes"] == pytest.approx(1.5 * full)
+    assert answers["zero1"]["ring_bytes"] == pytest.approx(1.5 * answers["ddp"]["ring_bytes"])
+    assert answers["fsdp"]["ring_bytes"] == pytest.approx(1.5 * answers["ddp"]["ring_bytes"])
+    assert "ring MiB" in fits_table(answers.values())
     assert "NO" in fits_table(answers.values()) and "yes" in fits_table(answers.values())
     assert comm_seconds({}, 4, link) == 0
 

@@ -32,7 +32,7 @@ MODULES = {
     3: {"ddplab.sync": ["", "bucket", "bucketed", "comm", "comm_hooks", "ddp_trace", "layout", "links", "manual",
                         "overlap", "registry", "sparse", "sparse_gather", "unused", "unused_policy", "wrapper_duties",
                         "your_code"],
-        "ddplab.sync.core": ["", "average", "bucketed", "fsdp", "overlap", "sharded_optimizer"]},
+        "ddplab.sync.core": ["", "average", "bucketed", "fsdp", "overlap", "sharded_optimizer", "zero2"]},
     # the rank processes and their Cluster, and joining a group someone else started: nothing
     # below this level starts ranks
     4: {"ddplab.cluster": ["", "answers", "cluster", "diagnosis", "errors", "generations", "lifecycle", "output",

@@ -53,10 +53,13 @@ def test_fsdp_sends_one_and_a_half_times_ddps_bytes_counted_at_the_group(world, 
     theirs = cluster.run(_one_step, "torch_fsdp2")
     for rank in range(ws):
         calls, ring, _, drawn = ours[rank]
-        # per layer: an all-gather in forward, another before its backward, a reduce-scatter
+        # per layer: an all-gather in forward, another before its backward, a reduce-scatter;
+        # the first layer's input needs no gradient, so (as in fully_shard) its reduce-scatter
+        # waits for backward's final callback
         assert [c[:2] for c in calls] == (
             [("all_gather_into_tensor", "forward")] * 3
-            + [("all_gather_into_tensor", "backward"), ("reduce_scatter_tensor", "backward")] * 3)
+            + [("all_gather_into_tensor", "backward"), ("reduce_scatter_tensor", "backward")] * 2
+            + [("all_gather_into_tensor", "backward"), ("reduce_scatter_tensor", "after backward")])
         assert sum(c[2] for c in calls if c[0] == "reduce_scatter_tensor") == 4 * FLOATS
         assert sum(c[2] for c in calls if c[0] == "all_gather_into_tensor") == 2 * 4 * FLOATS // ws
         ddp_calls, ddp_ring, ddp_handed, _ = ddp[rank]

@@ -21,7 +21,7 @@ def _bars(fig, panel):
     axis = "y" if panel == 1 else f"y{panel}"
     out = []
     for t in fig.data:
-        if t.legendgroup != "comm" or t.yaxis != axis:
+        if not t.legendgroup.startswith("comm") or t.yaxis != axis:
             continue
         for y, base, width, hover in zip(t.y, t.base, t.x, t.hovertext):
             op, phase = re.search(r"params: (\w+), ([\w ]+)<br>", hover).groups()
@@ -58,6 +58,13 @@ def test_one_figure_one_time_axis_every_layers_collectives_on_every_rank(cluster
             assert sum(op == "reduce_scatter_tensor" for op, _ in mine) == 3, (name, mine)
             assert not any(phase == "step" for _, phase in mine)  # SGD on the shards: no traffic
     assert max(ends) > 0
+    # coloured by operation, each named in the legend with a hover line that says what it does
+    comm = {t.name: t for t in fig.data if t.legendgroup.startswith("comm")}
+    assert {"all-reduce", "all-gather", "reduce-scatter", "broadcast"} <= set(comm)
+    assert len({comm[n].marker.color for n in ("all-reduce", "all-gather", "reduce-scatter",
+                                               "broadcast")}) == 4
+    assert all("piece r only" in h for h in comm["reduce-scatter"].hovertext)
+    assert all("every rank's piece" in h for h in comm["all-gather"].hovertext)
     # counted at the group: ZeRO-1 (all-reduce, then broadcast) and FSDP (two all-gathers,
     # a reduce-scatter) each send 1.5x DDP's ring bytes
     ring = {name: runs[name][0]["ring_bytes"] for name in NAMES}

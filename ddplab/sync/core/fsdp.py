@@ -6,12 +6,20 @@ What it teaches. DDP keeps a whole model on every rank. FSDP keeps
 1. before its forward (a forward pre-hook) ALL-GATHERS the shards into full
    weights, cast to ``compute_dtype`` BEFORE the gather (float16 halves the
    bytes), swaps them into the layer, and after the forward swaps the shards
-   back and FREES the full weights (autograd keeps the tensors, not memory);
-2. before its backward (a hook on its output's gradient) ALL-GATHERS AGAIN;
-3. when its weight gradients are ready (the backward of the gather)
-   REDUCE-SCATTERS them in float32: each rank gets the average of its shard's
-   gradient. Parameters outside sharded layers (a norm) are replicated and
-   all-reduced by ``finish_gradient_synchronization()``, as in DDP.
+   back and FREES the full weights' memory (autograd keeps the tensors);
+2. before its backward (a hook on its output's gradient) ALL-GATHERS AGAIN
+   into the same tensors;
+3. once its backward is done (the backward of an identity placed on its
+   inputs, or backward's final callback when no input needs a gradient)
+   REDUCE-SCATTERS the full weights' gradients in float32: each rank adds the
+   average of its shard's gradient to the shard's ``.grad``, and frees them.
+   Parameters outside sharded layers (a norm) are replicated and all-reduced
+   by ``finish_gradient_synchronization()``, as in DDP.
+
+As in FSDP2, a layer run again inside backward (activation checkpointing
+recomputing it, reentrant or not) is gathered and kept until its backward is
+done; a layer called twice is gathered for each call; frozen weights are
+gathered and freed but never reduced.
 
 The shards ARE ``.module``'s parameters (float32 master weights, flat, padded
 with zeros to a multiple of world_size; rank r holds piece r): the optimizer
@@ -24,19 +32,21 @@ steps 1/world_size of the model. ``full_parameters()`` gathers it by name.
     opt.step()
 
 Leaves out, next to FSDP2's ``fully_shard``: DTensor shards on dim 0 (here flat
-pieces); prefetching and overlap (each collective is waited for); ``reduce_dtype``
-(float32 here), ``reshard_after_forward=False``, offload, hybrid sharding, no_sync;
+pieces); prefetching and overlap (each collective is waited for); a choice of
+reduce dtype (here always float32; FSDP2's ``MixedPrecisionPolicy`` leaves
+``reduce_dtype=None`` and then reduces in ``param_dtype``, the gradients' own
+dtype), ``reshard_after_forward=False``, offload, hybrid sharding, no_sync;
 buffers are broadcast once. As in torch, ranks must run the same layers in order.
 
 References: torch/distributed/fsdp/_fully_shard/: _fsdp_param_group.py
-(``pre_forward``, ``post_forward``, ``pre_backward``, ``post_backward``),
+(``pre_forward``, ``post_forward``, ``pre_backward``, ``post_backward``,
+``RegisterPostBackwardFunction``), _fsdp_state.py (``_root_post_backward_final_callback``),
 _fsdp_param.py (``to_unsharded``, ``to_sharded``, ``free_storage``),
 _fsdp_collectives.py; Zhao et al., "PyTorch FSDP" (VLDB 2023).
 """
 from __future__ import annotations
 
 import dataclasses
-import weakref
 
 import torch
 import torch.distributed as dist
@@ -60,22 +70,27 @@ class Unit:
     module: nn.Module
     slots: list  # (submodule, attribute name, ShardedParameter) for every use of a weight
     params: list  # the distinct ShardedParameters (a weight tied within the layer once)
+    # The full weights, one leaf tensor per parameter, kept from call to call: their memory is
+    # freed while the unit is sharded and refilled when it is gathered, so that every graph that
+    # saved them (a layer called twice, a recomputed checkpoint) finds the same tensors again.
+    fulls: list = dataclasses.field(default_factory=list)
+    gathered: bool = False
 
 
-class _GatherUnit(torch.autograd.Function):
-    """Forward: all-gather a layer's shards. Backward: reduce-scatter their gradients."""
+class _PostBackward(torch.autograd.Function):
+    """Passes a unit's inputs through; its backward runs once the unit's backward has given
+    their gradients, i.e. after the unit's weight gradients were accumulated (FSDP2's
+    RegisterPostBackwardFunction plays this part)."""
 
     @staticmethod
-    def forward(ctx, fsdp, unit, *shards):
-        ctx.fsdp, ctx.unit = fsdp, unit
-        return tuple(fsdp.all_gather(unit))
+    def forward(ctx, callback, *inputs):
+        ctx.callback = callback
+        return inputs
 
     @staticmethod
     def backward(ctx, *grads):
-        for ref in getattr(ctx, "fulls", ()):  # its layer's backward is done: free them
-            if ref() is not None:
-                ref().untyped_storage().resize_(0)
-        return (None, None, *ctx.fsdp.reduce_scatter(ctx.unit, grads))
+        ctx.callback()
+        return (None, *grads)
 
 
 class FSDP(nn.Module):
@@ -99,8 +114,9 @@ class FSDP(nn.Module):
         self.units, self.sharded = self._shard(module, shard)
         ids = {id(sp.shard) for sp in self.sharded.values()}
         self.replicated = [p for p in module.parameters() if id(p) not in ids and p.requires_grad]
+        self._final_queued = False
         for unit in self.units:
-            unit.module.register_forward_pre_hook(self._pre_forward(unit))
+            unit.module.register_forward_pre_hook(self._pre_forward(unit), with_kwargs=True)
             unit.module.register_forward_hook(self._post_forward(unit), always_call=True)
 
     def _shard(self, module, classes):
@@ -148,51 +164,91 @@ class FSDP(nn.Module):
         mine /= self.world_size
         return [None if g is None else piece.clone() for g, piece in zip(grads, mine.split(sizes))]
 
+    @torch.no_grad()
+    def _unshard(self, unit: Unit) -> None:
+        """Gather the unit's full weights into its leaf tensors and swap them into the layer."""
+        if not unit.gathered:
+            gathered = self.all_gather(unit)
+            if not unit.fulls:  # the first gather: these tensors serve every later call
+                unit.fulls = [g.detach().clone() for g in gathered]
+            for full, again in zip(unit.fulls, gathered):
+                full.untyped_storage().resize_(full.numel() * full.element_size())
+                full.data.copy_(again)  # .data: a graph that saved ``full`` sees no in-place change
+            unit.gathered = True
+        for full, sp in zip(unit.fulls, unit.params):  # a weight frozen since: no gradient
+            full.requires_grad_(sp.shard.requires_grad)
+        where = {id(sp): i for i, sp in enumerate(unit.params)}
+        for m, pname, sp in unit.slots:  # the full weights in, as FSDP2 swaps them in
+            m._parameters[pname] = unit.fulls[where[id(sp)]]
+
+    def _reshard(self, unit: Unit) -> None:
+        """Swap the shards back and free the full weights' memory (autograd keeps the tensors)."""
+        for m, pname, sp in unit.slots:
+            m._parameters[pname] = sp.shard
+        if unit.gathered:
+            for full in unit.fulls:
+                full.untyped_storage().resize_(0)
+            unit.gathered = False
+
+    def _post_backward(self, unit: Unit) -> None:
+        """The unit's backward is done (or the whole backward is): reduce-scatter the gradients
+        its full weights gathered, add each rank's piece to its shard's ``.grad``, free them."""
+        grads = [full.grad for full in unit.fulls]
+        if any(g is not None for g in grads):
+            for full in unit.fulls:
+                full.grad = None
+            for sp, piece in zip(unit.params, self.reduce_scatter(unit, grads)):
+                if piece is not None:
+                    sp.shard.grad = piece if sp.shard.grad is None else sp.shard.grad + piece
+        self._reshard(unit)
+
     def _pre_forward(self, unit: Unit):
-        def hook(module, args):
-            args = tuple(a.to(self.compute_dtype) if torch.is_tensor(a) and a.is_floating_point()
-                         else a for a in args)  # inputs in compute_dtype, as FSDP2 casts them
-            if torch.is_grad_enabled():
-                fulls = _GatherUnit.apply(self, unit, *[sp.shard for sp in unit.params])
-            else:  # no backward will follow: nothing for autograd to record
-                fulls = self.all_gather(unit)
-            unit.fulls = fulls
-            for m, pname, sp in unit.slots:  # swap the full weights in, as FSDP2 does
-                m._parameters[pname] = fulls[unit.params.index(sp)]
-            return args
+        def hook(module, args, kwargs):
+            # inputs in compute_dtype, positional and keyword alike, as FSDP2 casts them
+            args, kwargs = _cast((args, kwargs), self.compute_dtype)
+            self._unshard(unit)
+            if torch.is_grad_enabled():  # the unit's backward ends where its inputs' begins
+                inputs = [t for t in _tensors((args, kwargs)) if t.requires_grad]
+                if inputs:
+                    passed = iter(_PostBackward.apply(lambda: self._post_backward(unit), *inputs))
+                    args, kwargs = _replace((args, kwargs), {id(t): next(passed) for t in inputs})
+            return args, kwargs
         return hook
 
     def _post_forward(self, unit: Unit):
         def hook(module, args, output):
-            for m, pname, sp in unit.slots:  # the shards go back
-                m._parameters[pname] = sp.shard
-            fulls, unit.fulls = unit.fulls, []
-            for full in fulls:  # autograd still holds the tensors; free their memory
-                full.untyped_storage().resize_(0)
+            if not _in_backward():  # a recompute (checkpoint) keeps them until post-backward
+                self._reshard(unit)
             outputs = [t for t in _tensors(output) if t.requires_grad]
-            if fulls and fulls[0].grad_fn is not None and outputs:
-                fulls[0].grad_fn.fulls = [weakref.ref(f) for f in fulls]  # for its backward
-                done = []
-
-                def pre_backward(grad):
-                    if not done:  # once per forward call, at the first output's gradient
-                        done.append(True)  # the same storage again: autograd saved these tensors
-                        for full, again in zip(fulls, self.all_gather(unit)):
-                            full.untyped_storage().resize_(again.numel() * again.element_size())
-                            full.data.copy_(again)  # .data: the saved version is not bumped
-                    return grad
-                for t in outputs:
-                    t.register_hook(pre_backward)
+            for t in outputs:  # its backward needs the full weights again: gathered first
+                t.register_hook(lambda grad: self._unshard(unit))
             return output
         return hook
 
+    def _final(self) -> None:
+        """At the end of backward: units whose inputs needed no gradient (the first layer) or
+        whose output was not used reduce-scatter and free here, as FSDP2's final callback does."""
+        self._final_queued = False
+        for unit in self.units:
+            self._post_backward(unit)
+
+    def _queue_final(self, grad):
+        if not self._final_queued:
+            self._final_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._final)
+
     def forward(self, *args, **kwargs):
         if self.compute_dtype == torch.float32:
-            return self.module(*args, **kwargs)
-        mine = {id(p) for p in self.replicated}  # replicated weights are used cast, too:
-        cast = {n: p.to(self.compute_dtype)  # .to() is differentiable, grads come back float32
-                for n, p in self.module.named_parameters() if id(p) in mine}
-        return torch.func.functional_call(self.module, cast, args, kwargs, strict=False)
+            output = self.module(*args, **kwargs)
+        else:
+            mine = {id(p) for p in self.replicated}  # replicated weights are used cast, too:
+            cast = {n: p.to(self.compute_dtype)  # .to() is differentiable, grads come back float32
+                    for n, p in self.module.named_parameters() if id(p) in mine}
+            output = torch.func.functional_call(self.module, cast, args, kwargs, strict=False)
+        for t in _tensors(output):
+            if t.requires_grad:
+                t.register_hook(self._queue_final)
+        return output
 
     def finish_gradient_synchronization(self) -> None:
         """Average the replicated parameters' gradients (the sharded ones were reduce-scattered
@@ -223,6 +279,80 @@ class FSDP(nn.Module):
         return out
 
 
+    # -- what flat shards change for the learner, handled here (FSDP1 had the same methods) --
+
+    def full_shape(self, param) -> torch.Size:
+        """The shape ``param`` has in the unwrapped model: a shard is flat (``ndim == 1``), so
+        a rule such as "no weight decay when ndim < 2" must ask this instead."""
+        sp = self._pieces().get(id(param))
+        return param.shape if sp is None else sp.shape
+
+    @torch.no_grad()
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """The whole model's gradient norm, the same on every rank, and every gradient scaled
+        by ``max_norm / (norm + 1e-6)`` when that is below 1, as torch's
+        ``clip_grad_norm_`` does on one process. torch's function over ``.parameters()``
+        would see this rank's pieces only and return a different norm on each rank. Call it
+        after ``finish_gradient_synchronization()``; every rank must call it."""
+        norm_type, pieces = float(norm_type), self._pieces()
+        held = [p for p in self.module.parameters() if p.grad is not None]
+        grads = [p.grad for p in held]
+        mine = [p.grad for p in held if id(p) in pieces]  # this rank's pieces
+        same = [p.grad for p in held if id(p) not in pieces]  # replicated: equal on every rank
+        zero = torch.zeros((), dtype=torch.float32)
+        if norm_type == float("inf"):  # the largest entry: a max over ranks
+            total = torch.stack([zero, *[g.abs().max().float() for g in mine]]).max()
+            dist.all_reduce(total, dist.ReduceOp.MAX, group=self.process_group)
+            total = torch.stack([total, *[g.abs().max().float() for g in same]]).max()
+        else:  # sum of |g|^p over every rank's pieces (padding is zero), then the replicas once
+            total = sum((torch.linalg.vector_norm(g.float(), norm_type) ** norm_type
+                         for g in mine), zero.clone())
+            dist.all_reduce(total, group=self.process_group)
+            total = (total + sum((torch.linalg.vector_norm(g.float(), norm_type) ** norm_type
+                                  for g in same), zero)) ** (1.0 / norm_type)
+        scale = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        for g in grads:
+            g.mul_(scale.to(g.dtype))
+        return total
+
+    @torch.no_grad()
+    def full_state_dict(self) -> dict:
+        """``.module``'s state dict with every shard gathered to its full shape: it loads into
+        the unwrapped model (``plain.load_state_dict(fsdp.full_state_dict())``). Every rank
+        must call it. (``state_dict()`` holds this rank's flat pieces, under ``module.``.)"""
+        pieces, gathered, out = self._pieces(), {}, {}
+        for name, t in self.module.state_dict(keep_vars=True).items():
+            sp = pieces.get(id(t))
+            if sp is not None and id(t) not in gathered:
+                full = sp.shard.new_empty(self.world_size * sp.shard_numel)
+                dist.all_gather_single(full, sp.shard.detach(), group=self.process_group)
+                gathered[id(t)] = full[:sp.numel].view(sp.shape)
+            out[name] = gathered[id(t)] if sp is not None else t.detach().clone()
+        return out
+
+    @torch.no_grad()
+    def load_full_state_dict(self, state: dict) -> None:
+        """Load an unwrapped model's state dict: each rank keeps its piece of each weight."""
+        pieces = self._pieces()
+        for name, t in self.module.state_dict(keep_vars=True).items():
+            if name not in state:
+                raise KeyError(f"{name} is missing from the state dict: load_full_state_dict "
+                               "takes the unwrapped model's state_dict() (or full_state_dict())")
+            src, sp = state[name], pieces.get(id(t))
+            want = t.shape if sp is None else sp.shape
+            if tuple(src.shape) != tuple(want):
+                raise ValueError(f"{name} has shape {tuple(src.shape)} in the state dict but "
+                                 f"{tuple(want)} in the model")
+            if sp is None:
+                t.copy_(src)
+            else:  # pad the full weight, cut it in world_size pieces, keep piece ``rank``
+                flat = pad(src.detach().reshape(-1).to(t.dtype), sp.shard_numel * self.world_size)
+                t.copy_(flat.view(self.world_size, -1)[self.rank])
+
+    def _pieces(self) -> dict:
+        return {id(sp.shard): sp for sp in self.sharded.values()}
+
+
 def _check(module, compute_dtype, shard) -> None:
     """What this reference cannot do, refused with what to do instead."""
     if compute_dtype not in (None, torch.float32, torch.float16, torch.bfloat16):
@@ -243,8 +373,30 @@ def pad(flat, size):
     return torch.cat([flat, flat.new_zeros(size - flat.numel())])
 
 
-def _tensors(output) -> list:
-    """The tensors in a layer's output: a tensor, or (nested) tuples and lists of them."""
-    if isinstance(output, (tuple, list)):
-        return [t for o in output for t in _tensors(o)]
-    return [output] if isinstance(output, torch.Tensor) else []
+def _tensors(obj) -> list:
+    """The tensors in a layer's inputs or output: nested tuples, lists and dicts of them."""
+    if isinstance(obj, (tuple, list)):
+        return [t for o in obj for t in _tensors(o)]
+    if isinstance(obj, dict):
+        return [t for o in obj.values() for t in _tensors(o)]
+    return [obj] if isinstance(obj, torch.Tensor) else []
+
+
+def _replace(obj, new: dict):
+    """``obj`` with each tensor whose id is in ``new`` replaced by ``new[id]``."""
+    if isinstance(obj, (tuple, list)):
+        items = [_replace(o, new) for o in obj]
+        return type(obj)(*items) if hasattr(obj, "_fields") else type(obj)(items)  # namedtuples
+    if isinstance(obj, dict):
+        return {k: _replace(o, new) for k, o in obj.items()}
+    return new.get(id(obj), obj) if isinstance(obj, torch.Tensor) else obj
+
+
+def _cast(obj, dtype):
+    """Floating-point tensors in ``obj`` cast to ``dtype`` (differentiably)."""
+    return _replace(obj, {id(t): t.to(dtype) for t in _tensors(obj) if t.is_floating_point()})
+
+
+def _in_backward() -> bool:
+    """True while autograd's engine runs a backward on this thread (a checkpoint recomputes)."""
+    return torch._C._current_graph_task_id() != -1

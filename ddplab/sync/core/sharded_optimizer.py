@@ -18,8 +18,13 @@ the same averaged gradient, so ONE rank per parameter is enough to step it:
 3. Each owner broadcasts its updated parameters; every rank ends with the
    weights the unsharded optimizer gives, bit for bit.
 
-The state per rank falls to about 1/world_size; what travels per step is
-one extra copy of the parameters (the broadcasts), next to DDP's all-reduce.
+The state per rank falls toward 1/world_size in steps (whole parameters are
+dealt, so a rank may keep the same share when a rank is added); what travels
+per step is one extra copy of the parameters (the broadcasts), next to DDP's
+all-reduce: 1.5x DDP's ring bytes. That is torch's ``ZeroRedundancyOptimizer``
+behind DDP. The ZeRO paper's stage 1 reduce-scatters the gradients instead
+and all-gathers the stepped parameters: 2Psi, DDP's own volume (Rajbhandari
+et al. 2020, section 7.2).
 
 ``state`` holds this rank's share of the state. ``state_dict()`` follows
 torch's ``ZeroRedundancyOptimizer``: call ``consolidate_state_dict(to=r)``
