@@ -56,6 +56,7 @@ torch/distributed/algorithms/ddp_comm_hooks/default_hooks.py (allreduce_hook).
 from __future__ import annotations
 
 import json
+import threading
 from pathlib import Path
 
 from ddplab.measure.recording_end import DESTROYED, FINISH_TIMEOUT_S, UNFINISHED, gather, group_alive, machine
@@ -72,13 +73,13 @@ NOT_ON_DEVICE = ("on NCCL a comm hook's future completes when its all-reduce is 
 class RunRecorder:
     """Attached to one DDP model by ``record()``; see the module docstring."""
 
-    def __init__(self, ddp_model, steps=range(0, 5), out=None, process_group=None,
+    def __init__(self, ddp_model, steps=range(1, 6), out=None, process_group=None,
                  write_page=None):
         import torch.distributed as dist
 
         if not isinstance(steps, range) or len(steps) == 0 or steps.start < 0 or steps.step != 1:
-            raise ValueError(f"steps={steps!r}: give a non-empty range of iterations, e.g. "
-                             "range(5, 15) (iteration 0 is your first forward after this call)")
+            raise ValueError(f"steps={steps!r}: give a non-empty range of optimizer steps, e.g. "
+                             "range(5, 15) (step 0 is the first one after this call)")
         if not dist.is_initialized():
             raise RuntimeError("ddplab.record() needs the process group your DDP model uses: "
                                "call it after init_process_group() and DistributedDataParallel(...)")
@@ -103,7 +104,22 @@ class RunRecorder:
             self.timer = self.recorder.device_timer = CudaStamps(on)
             self._grad_events = GradEvents(self.timer)
         self.grads: list[GradRecord] = []
-        self.iteration = -1
+        self.step = 0  # optimizer steps completed since record() (the step being run)
+        self.started = -1  # the last step whose first forward has run
+        self._micro = 0  # forwards with a backward (micro-steps) in this step so far
+        self._sync_now = True  # whether this micro-step's backward synchronizes (not no_sync)
+        self._synced = False  # this step's synchronizing backward has run
+        self._stepper_seen = False  # an optimizer holding these parameters has stepped
+        self._holders: dict[int, bool] = {}  # id(optimizer) -> whether it steps these parameters
+        self._nosync: list | None = None  # [start, end] of this step's no_sync micro-steps
+        self._step_t0 = None
+        self._micro_steps: dict[int, int] = {}  # recorded step -> its micro-steps
+        self._evals: list = []  # forwards with no backward in recorded steps: [step, start, end]
+        # torch rebuilds its buckets once, at the first forward after a backward, unless
+        # find_unused_parameters (without static_graph) keeps the layout it was built with;
+        # until then the reducer holds ONE bucket (distributed.py, compute_bucket_size_limits)
+        self._rebuilt = not (getattr(ddp_model, "static_graph", False)
+                             or not getattr(ddp_model, "find_unused_parameters", False))
         self.timeline: Timeline | None = None  # rank 0's gathered run, after finish()
         self.finished = False
         self._ready: dict[int, float] = {}
@@ -113,12 +129,11 @@ class RunRecorder:
         # mixed_precision='s own
         self.comm_measured = not (ddp_model._comm_hooks or getattr(ddp_model, "mixed_precision", None)
                                   or ddp_model._get_ddp_logging_data().get("comm_hook"))
-        self._backward_done = -1  # the last iteration whose backward has completed
-        self._end_queued = -1
-        from torch.optim.optimizer import register_optimizer_step_post_hook
+        from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
         self._handles = [ddp_model.register_forward_pre_hook(self._forward_start),
                          ddp_model.register_forward_hook(self._forward_end),
+                         register_optimizer_step_pre_hook(self._before_optimizer_step),
                          register_optimizer_step_post_hook(self._after_optimizer_step)]
         self._handles += [p.register_post_accumulate_grad_hook(self._grad_ready)
                           for p in self.params if p.requires_grad]
@@ -140,61 +155,121 @@ class RunRecorder:
 
     # -- hooks ------------------------------------------------------------------------
     def _recording(self) -> bool:
-        return self.iteration in self.steps and not self.finished
+        return self.step in self.steps and not self.finished
 
     def _forward_start(self, module, args):
         if self.finished:
             return
-        self._close_wait()
-        self.iteration += 1
-        if self.iteration == self.steps.stop:
-            self.finish()
+        import torch
+
+        if not torch.is_grad_enabled():  # validation, a sanity check: no backward follows
+            self._eval_t0 = now()
             return
+        if self._synced and not self._stepper_seen:
+            # no torch.optim optimizer steps these parameters: a step ends at the forward
+            # after its synchronizing backward
+            self._end_step()
+            if self.finished:
+                return
+        if self._micro == 0 and self._recording():
+            self.recorder.begin_iteration(self.step)
+            self._ready, self._last_comm, self._nosync, self._step_t0 = {}, None, None, None
+        self._micro += 1
+        self.started = self.step
+        self._sync_now = self.ddp.require_backward_grad_sync
         if self._recording():
-            flags = () if self.ddp.require_backward_grad_sync else ("no_sync",)
-            self.recorder.begin_iteration(self.iteration, flags)
-            self._forward_t0, self._ready, self._last_comm = now(), {}, None
+            t = now()
+            if not self._sync_now:  # a gradient-accumulation micro-step (no_sync)
+                self._nosync = [t, t] if self._nosync is None else self._nosync
+                return
+            self._forward_t0 = t
             if self.timer is not None:
                 self._forward_e0 = self.timer.phase_event()
                 self._grad_events.new_step()
 
     def _forward_end(self, module, args, output):
-        if self._recording():
-            t = now()
-            self.recorder.set_phase("forward", self._forward_t0, t, "cpu")
-            self._backward_t0 = t
-            if self.timer is not None:  # the same phase on the GPU's clock (at the step's end)
-                self._backward_e0 = self.timer.phase_event()
-                self.timer.add_phase("forward", self._forward_e0, self._backward_e0)
+        if self.finished:
+            return
+        import torch
+
+        if not torch.is_grad_enabled():
+            if self._recording() or self._micro > 0:
+                self._evals.append([self.step, getattr(self, "_eval_t0", None), now()])
+            return
+        if not self._recording():
+            return
+        t = now()
+        if not self._sync_now:
+            self._nosync[1] = t
+            return
+        self.recorder.set_phase("forward", self._forward_t0, t, "cpu")
+        self._backward_t0 = t
+        if self.timer is not None:  # the same phase on the GPU's clock (at the step's end)
+            self._backward_e0 = self.timer.phase_event()
+            self.timer.add_phase("forward", self._forward_e0, self._backward_e0)
+        if not self._rebuilt:
+            # DDP rebuilds inside its forward (_pre_forward, which sets _has_rebuilt_buckets;
+            # the logging data's flag waits for its sampled runtime stats): read after it
+            if getattr(self.ddp, "_has_rebuilt_buckets", True):
+                self._rebuilt = True
+            else:
+                self.recorder.flag("ddp_one_bucket")
 
     def _grad_ready(self, param):
+        if not self._sync_now:
+            if self._recording():
+                self._nosync[1] = now()
+            return
+        self._synced = True
         if self._recording():
             t = now()
             i = self._index[id(param)]
             self._ready[i] = t
-            self.grads.append(GradRecord(self.rank, self.iteration, i,
+            self.grads.append(GradRecord(self.rank, self.step, i,
                                          param.numel() * param.element_size(), t))
             if self.timer is not None:  # on the stream that made the gradient, after it
                 event = self._grad_events.ready(i, self.grads[-1])
                 self.timer.add_phase("backward", self._backward_e0, event)  # the last one counts
             self.recorder.set_phase("backward", self._backward_t0, t, "derived")
-            if self._end_queued != self.iteration:
-                # runs once this backward is over (DDP's own wait for its buckets included,
-                # as it runs in the autograd engine's final callbacks too)
-                self._end_queued = self.iteration
-                from torch.autograd import Variable
 
-                Variable._execution_engine.queue_callback(self._backward_ended)
+    def _holds(self, optimizer) -> bool:
+        """Whether ``optimizer`` steps this model's parameters (the hooks are global)."""
+        held = self._holders.get(id(optimizer))
+        if held is None:
+            held = self._holders[id(optimizer)] = any(
+                id(p) in self._index for g in optimizer.param_groups for p in g["params"])
+        return held
 
-    def _backward_ended(self):
-        self._backward_done = self.iteration
+    def _before_optimizer_step(self, optimizer, args, kwargs):
+        # Lightning calls optimizer.step(closure) BEFORE its forward: then no step phase
+        if self._micro > 0 and self._recording() and self._holds(optimizer):
+            self._step_t0 = now()
 
     def _after_optimizer_step(self, optimizer, args, kwargs):
-        """The end of the last step asked for: its backward is over (so DDP has waited for
-        every bucket on this rank) and the optimizer has stepped. Every rank gets here at the
-        same point of its loop, so finish()'s collectives line up."""
-        last = self.steps.stop - 1
-        if not self.finished and self.iteration == last and self._backward_done == last:
+        """The end of a step: its backward is over (so DDP has waited for every bucket on
+        this rank) and the optimizer has stepped. Every rank gets here at the same point of
+        its loop, so finish()'s collectives line up after the last step asked for."""
+        if self.finished or not self._holds(optimizer):
+            return
+        self._stepper_seen = True
+        if self._micro == 0:  # a second optimizer over the same parameters: one step
+            return
+        if self._recording() and self._step_t0 is not None:
+            self.recorder.set_phase("step", self._step_t0, now(), "cpu")
+        self._end_step()
+
+    def _end_step(self) -> None:
+        if self._recording():
+            self._close_wait()
+            if self._nosync is not None:
+                self.recorder.set_phase("no_sync", self._nosync[0], self._nosync[1], "cpu")
+            self._micro_steps[self.step] = self._micro
+            if not self._synced:  # every micro-step of it was no_sync: nothing was all-reduced
+                self.recorder.flag("no_sync")
+            self.recorder.end_iteration()
+        self.step += 1
+        self._micro, self._synced, self._nosync = 0, False, None
+        if self.step == self.steps.stop:
             self.finish()
 
     @staticmethod
@@ -275,6 +350,8 @@ class RunRecorder:
             self._grad_events.resolve()
             waits_from_buckets(part)
         part.grads = self.grads
+        part.meta.update(micro_steps={str(k): v for k, v in self._micro_steps.items()},
+                         steps_are="optimizer steps", forwards_without_backward=self._evals)
         if not self.comm_measured:
             buckets_from_logging(self, part)
         clock, parts = gather(part.to_dict(), self.group, self.rank, self.world, timeout)
@@ -287,8 +364,30 @@ class RunRecorder:
                                          if isinstance(v, (int, float, str))})
         self.timeline = tl
         if self.out is not None:
-            self.save(self.out)
+            # Drawing the page takes seconds: off the training step, on a thread of its own.
+            # Not a daemon, so the interpreter waits for the files before it exits; wait()
+            # waits here (and raises what the writing raised).
+            self._writer = threading.Thread(target=self._write, name="ddplab.record writer")
+            self._writer.start()
         return tl
+
+    def _write(self) -> None:
+        try:
+            self.paths = self.save(self.out)
+        except BaseException as e:  # said by wait(); a thread's error would go to stderr only
+            self._write_error = e
+
+    def wait(self, timeout: float | None = None) -> dict:
+        """Wait for finish()'s files (rank 0; written in the background): their paths."""
+        writer = getattr(self, "_writer", None)
+        if writer is not None:
+            writer.join(timeout)
+            if writer.is_alive():
+                raise TimeoutError(f"ddplab.record: {self.out}.html is still being written after "
+                                   f"{timeout:g} s")
+        if getattr(self, "_write_error", None) is not None:
+            raise RuntimeError(f"ddplab.record: writing {self.out} failed") from self._write_error
+        return getattr(self, "paths", {})
 
     def save(self, out) -> dict:
         """Write out.json, out.trace.json and (with a page writer) out.html; rank 0 only."""
@@ -305,7 +404,7 @@ class RunRecorder:
         return {k: str(v) for k, v in paths.items()}
 
 
-def record(ddp_model, steps=range(0, 5), out=None, process_group=None, write_page=None):
+def record(ddp_model, steps=range(1, 6), out=None, process_group=None, write_page=None):
     """Record ``steps`` of a torch DDP model's training on every rank; see the module docstring."""
     return RunRecorder(ddp_model, steps, out, process_group, write_page)
 

@@ -28,14 +28,16 @@ import plotly.graph_objects as go
 
 from ddplab.timeline import Timeline
 
-PHASE_COLORS = {"forward": "#9ecae1", "backward": "#2b6cb0", "wait": "#e2e2e2", "step": "#41ab5d"}
-PHASE_LABELS = {"forward": "forward", "backward": "backward", "wait": "waiting for all-reduce",
-                "step": "optimizer step"}
+# "no_sync": a recorded step's gradient-accumulation micro-steps, before its synchronizing one
+PHASE_COLORS = {"no_sync": "#c6dbef", "forward": "#9ecae1", "backward": "#2b6cb0", "wait": "#e2e2e2",
+                "step": "#41ab5d"}
+PHASE_LABELS = {"no_sync": "no_sync micro-steps (forward + backward, no all-reduce)", "forward": "forward",
+                "backward": "backward", "wait": "waiting for all-reduce", "step": "optimizer step"}
 # Warm colours, away from the blues and greens of compute.
 BUCKET_PALETTE = ("#f28e2b", "#9467bd", "#e15759", "#8c564b", "#e377c2", "#bcbd22",
                   "#17becf", "#b07aa1", "#ff9da7", "#c49c94")
 FLAG_LABELS = {"warmup": "warm-up (not averaged)",
-               "ddp_one_bucket": "torch DDP iteration 0: one bucket (not averaged)",
+               "ddp_one_bucket": "torch DDP before its bucket rebuild: one bucket (not averaged)",
                "ddp_rebuild": "torch DDP: buckets rebuilt (not averaged)",
                "no_sync": "no_sync: gradients accumulate, no all-reduce"}
 FLAG_SHORT = {"warmup": "warm-up", "ddp_one_bucket": "DDP: 1 bucket", "ddp_rebuild": "DDP: rebuild",
