@@ -79,6 +79,9 @@ check: $(STAMP)
 
 # The unit tests make test leaves out.
 test-unit-more: $(STAMP)
+	# the trainers ddplab.record is tested under (tests/test_record_trainers.py): Lightning,
+	# accelerate, transformers; pure-Python wheels, pinned so that they keep the CPU torch
+	$(PY) -m pip install --quiet -c constraints.txt -e '.[trainers]'
 	$(call pytest_or_say_empty,-q -m more $(UNIT))
 
 # The labs make test leaves out.

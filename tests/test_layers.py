@@ -46,7 +46,7 @@ MODULES = {
         "ddplab.course": ["", "accounts", "classroom", "classroom_readme", "exercises", "handouts", "hubconfig",
                           "labsetup", "proxy_guard", "safety", "seats", "slurmhub"],
         "ddplab.cli": ["", "compare", "doctor", "view"],
-        "ddplab": ["", "__main__"]},
+        "ddplab": ["", "__main__", "integrations"]},
 }
 LAYERS = {f"{pkg}.{m}" if m else pkg: level
           for level, packages in MODULES.items() for pkg, mods in packages.items() for m in mods}
