@@ -34,7 +34,7 @@ MODULES = {
                            "process", "progress", "rendezvous", "results", "status", "subset", "worker"],
         "ddplab.launch": ["", "schedulers", "torchrun"]},
     5: {"ddplab.measure": ["", "compare", "fits", "memory", "models", "profile", "recording", "recording_end",
-                           "recording_layout", "report", "runners", "spec", "sweep", "transformer", "whatif",
+                           "recording_hooks", "recording_layout", "report", "runners", "spec", "sweep", "transformer", "whatif",
                            "workload"]},
     6: {"ddplab.lessons": ["", "checkpoints", "claims", "common", "compression", "data", "firstgroup", "hangs",
                            "pipeline", "reducer_map", "ring", "sharding", "training", "yourmodel"]},

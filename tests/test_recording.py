@@ -89,8 +89,9 @@ def train_recorded(case, out=None):
     replicas = [None, None]
     dist.all_gather_object(replicas, [p.detach().clone() for p in recorded.parameters()])
     agree = max((a - b).abs().max().item() for a, b in zip(*replicas))
-    return {"timeline": None if tl is None else tl.to_dict(), "logged": logged_buckets(recorded),
-            "worst": worst, "agree": agree}
+    return {"timeline": None if tl is None else tl.to_dict(), "logged": logged_buckets(plain),
+            "worst": worst, "agree": agree,
+            "hooks": [m._get_ddp_logging_data().get("comm_hook") for m in (plain, recorded)]}
 
 
 def last_synced_layout(tl, rank):
@@ -127,15 +128,15 @@ def test_recorded_buckets_equal_torchs_logging_data(cluster2, case):
             per_it.setdefault(g.iteration, []).append(g.param)
     assert {i: len(v) for i, v in per_it.items()} == {i: n_trainable for i in range(1, 6)}
     last = [b for b in tl.buckets if b.rank == 0 and b.iteration == 5]
-    if case == "hook_before":
-        assert "comm_not_measured" in tl.meta
-        assert all(b.comm_end is None and b.grads_ready is not None for b in last)
-    else:
-        assert "comm_not_measured" not in tl.meta
-        for b in last:  # ready, then launched, then done: in that order
-            assert b.grads_ready <= b.launch <= b.comm_end, b
-    if case in ("fp16_hook", "powersgd_hook"):
+    # a hook registered before the call is measured too
+    assert "comm_not_measured" not in tl.meta
+    for b in last:  # ready, then launched, then done: in that order
+        assert b.grads_ready <= b.launch <= b.comm_end, b
+    if case in ("fp16_hook", "powersgd_hook", "hook_before"):
         assert tl.meta["comm_hook"] in ("fp16_compress_hook", "powerSGD_hook")
+    # after finish() the hook slot is as it was: yours, or none, in DDP's own logging data
+    plain_hook, recorded_hook = r0["hooks"]
+    assert recorded_hook == plain_hook and plain_hook != "RunRecorder._dispatch", r0["hooks"]
 
 
 def test_the_three_files_and_the_viewer(cluster2, tmp_path):

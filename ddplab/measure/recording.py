@@ -9,8 +9,15 @@ to the training loop::
     for batch in loader:                                        # the loop as it was
         loss_fn(ddp(batch)).backward(); opt.step(); opt.zero_grad()
 
+Steps are optimizer steps: a step runs from its first forward to the end of the
+``torch.optim`` step that closes it (global step pre/post hooks, kept to optimizers
+holding this model's parameters). Gradient-accumulation micro-steps run under
+``no_sync`` are one phase of their step (``no_sync``); forwards with gradients off
+(validation, sanity checks) are listed in the meta and belong to no step; the steps
+before torch rebuilds its buckets (one bucket) are flagged ``ddp_one_bucket``.
+
 What is stamped, and from where (every stamp says its source):
-- a forward pre-hook and a forward hook on the DDP module: the iteration's
+- a forward pre-hook and a forward hook on the DDP module: the step's
   start and its forward phase; backward is taken to start when forward ends
   (the loss in between is counted as backward, ``derived``);
 - a post-accumulate-grad hook on every parameter: when its gradient became
@@ -19,19 +26,22 @@ What is stamped, and from where (every stamp says its source):
   torch takes ONE comm hook per model, so the recorder registers a hook that
   dispatches: to the plain all-reduce (divide, SUM) until you register yours,
   then to yours (``register_comm_hook`` on this model is wrapped, so a later
-  call of yours lands here). If a hook was registered BEFORE the call (yours,
-  or the one ``mixed_precision=`` installs), the recorder cannot wrap it: the
-  buckets are then taken from torch's logging data with their ready times,
-  and their communication is marked not measured.
+  call of yours lands here). A Python hook registered BEFORE the call is taken
+  out and dispatched to as well; at finish() an empty slot is given back empty
+  (ddplab.measure.recording_hooks), and a hook of yours keeps running behind a
+  forwarder, named in DDP's logging data. A built-in C++ hook or the one
+  ``mixed_precision=`` installs cannot be wrapped: the buckets are then taken
+  from torch's logging data with their ready times, and their communication is
+  marked not measured.
 
 The recording finishes by itself at the end of the last step asked for: right
-after the optimizer step that follows that step's backward (a global
-``torch.optim`` post-step hook; DDP has waited for every bucket by then, so the
-next collective is safe on every rank), else at the next forward. Then every
-rank aligns its clock with rank 0's (``ddplab.timeline.clock``), rank 0 gathers
-the parts and writes ``out.json`` (the timeline, the parameters, torch's
-logging data), ``out.trace.json`` (Perfetto / chrome://tracing) and, when given
-a page writer (``ddplab.record`` gives the labs' figures), ``out.html``.
+after its optimizer step (DDP has waited for every bucket by then, so the next
+collective is safe on every rank), else at the next forward. Then every rank
+aligns its clock with rank 0's (``ddplab.timeline.clock``), rank 0 gathers the
+parts and, on a thread of its own (off the training step; ``wait()`` joins it),
+writes ``out.json`` (the timeline, the parameters, torch's logging data),
+``out.trace.json`` (Perfetto / chrome://tracing) and, when given a page writer
+(``ddplab.record`` gives the labs' figures), ``out.html``.
 A run that ends before that (a shorter loop, no ``torch.optim`` optimizer, the
 process group destroyed, an error) is never silent: at exit, rank 0 says which
 steps were recorded, that nothing was written and what to call
@@ -39,9 +49,7 @@ steps were recorded, that nothing was written and what to call
 ``finish()`` never waits forever for a rank that does not come: its first
 collective is a barrier with a time limit. (The endings: ddplab.measure.recording_end.)
 
-Leaves out, compared with the profiler: kernels, memory, the optimizer step as a
-phase of its own (the recorder never sees your optimizer: the time after the
-last all-reduce until the next forward is the iteration's end). On NCCL the
+Leaves out, compared with the profiler: kernels and memory. On NCCL the
 phases, the gradients' ready times and each bucket's all-reduce are CUDA events
 (``ddplab.timeline.cuda_events``; source ``cuda_event``): a gradient's event is
 recorded on the stream that made it, a bucket's end on a side stream after
@@ -60,6 +68,7 @@ import threading
 from pathlib import Path
 
 from ddplab.measure.recording_end import DESTROYED, FINISH_TIMEOUT_S, UNFINISHED, gather, group_alive, machine
+from ddplab.measure.recording_hooks import fresh_reducer, python_hook, wrappable
 from ddplab.measure.recording_layout import NOT_MEASURED, buckets_from_logging, logged_buckets
 from ddplab.timeline.clock import now
 from ddplab.timeline.recorder import Recorder
@@ -124,11 +133,13 @@ class RunRecorder:
         self.finished = False
         self._ready: dict[int, float] = {}
         self._user_hook = None
-        # a hook already there: yours (register_comm_hook), a built-in one
-        # (register_builtin_comm_hook, which only torch's logging data remembers) or
-        # mixed_precision='s own
-        self.comm_measured = not (ddp_model._comm_hooks or getattr(ddp_model, "mixed_precision", None)
-                                  or ddp_model._get_ddp_logging_data().get("comm_hook"))
+        # the one comm-hook slot (ddplab.measure.recording_hooks): a Python hook of yours
+        # already there is taken out (a fresh reducer) and called by ours; a built-in one
+        # (only torch's logging data remembers it) or mixed_precision='s cannot be
+        self.comm_measured = wrappable(ddp_model)
+        if self.comm_measured and python_hook(ddp_model) is not None:
+            self._user_hook = python_hook(ddp_model)
+            fresh_reducer(ddp_model)
         from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
         self._handles = [ddp_model.register_forward_pre_hook(self._forward_start),
@@ -140,13 +151,15 @@ class RunRecorder:
         if self.comm_measured:
             ddp_model.register_comm_hook(self, RunRecorder._dispatch)
             ddp_model.register_comm_hook = self._register_user_hook  # yours, wrapped when it comes
+            if self._user_hook is not None:
+                self._register_user_hook(self._user_hook[1], self._user_hook[0], again=True)
         else:
             self.recorder.timeline.meta["comm_not_measured"] = NOT_MEASURED
         UNFINISHED.add(self)
 
     # -- the user's hook, when it comes after us ------------------------------------
-    def _register_user_hook(self, state, hook):
-        if self._user_hook is not None:
+    def _register_user_hook(self, state, hook, again=False):
+        if self._user_hook is not None and not again:
             raise RuntimeError("register_comm_hook can only be called once per DDP model "
                                "(torch's rule; ddplab.record() keeps it)")
         self._user_hook = (hook, state)
@@ -342,6 +355,15 @@ class RunRecorder:
         UNFINISHED.discard(self)
         for h in self._handles:
             h.remove()
+        # torch's layout and logging data as the recorded steps ran (before a fresh reducer)
+        logged = logged_buckets(self.ddp)
+        logging = {k: v for k, v in self.ddp._get_ddp_logging_data().items() if isinstance(v, (int, float, str))}
+        if self.comm_measured and self._user_hook is None:  # the hook slot empty again
+            del self.ddp.register_comm_hook  # torch's own method again
+            fresh_reducer(self.ddp)
+        # With a hook of yours, ours stays in front of it and only forwards (its name is what
+        # DDP's logging data says): a fresh reducer would lay the buckets out again, and a
+        # hook that keeps state per bucket (PowerSGD's error feedback) would start over.
         self._close_wait()
         part = self.recorder.result()  # on NCCL: synchronizes and resolves the events
         if self.timer is not None:
@@ -358,10 +380,8 @@ class RunRecorder:
         if self.rank != 0:
             return None
         tl = Timeline.merge([Timeline.from_dict(p) for p in parts]).shifted(clock["offsets"])
-        tl.meta.update(clock_bound_s=clock["bound_s"], logged_bucket_sizes=logged_buckets(self.ddp),
-                       machine=machine(self.world),
-                       ddp_logging_data={k: v for k, v in self.ddp._get_ddp_logging_data().items()
-                                         if isinstance(v, (int, float, str))})
+        tl.meta.update(clock_bound_s=clock["bound_s"], logged_bucket_sizes=logged,
+                       machine=machine(self.world), ddp_logging_data=logging)
         self.timeline = tl
         if self.out is not None:
             # Drawing the page takes seconds: off the training step, on a thread of its own.
