@@ -34,6 +34,17 @@ WHAT_TO_PASS = ("pass the DistributedDataParallel object that wraps your model: 
                 "(trainer.strategy.model), a Hugging Face Trainer (trainer.model_wrapped) or an Accelerator")
 
 
+TRAINER_NAMES = {"lightning_trainer": "Lightning", "lightning_module": "Lightning", "accelerator": "accelerate",
+                 "hf_trainer": "Hugging Face Trainer"}
+
+
+def _prepared_by_accelerate(ddp_model) -> bool:
+    # accelerate.prepare() marks the model it wraps (accelerate/accelerator.py, prepare_model)
+    module = getattr(ddp_model, "module", None)
+    return bool(getattr(module, "_is_accelerate_prepared", False) or getattr(ddp_model, "_is_accelerate_prepared",
+                                                                             False))
+
+
 def _family(x) -> str | None:
     """Which trainer's object ``x`` is, from its classes' names (no trainer imported)."""
     for cls in type(x).__mro__:
@@ -174,10 +185,11 @@ def record(x, steps, out, process_group, write_page):
     from ddplab.measure.recording import record as attach
 
     found = find_wrapper(x)
-    if found is not None:
-        return attach(found, steps, out, process_group, write_page)
-    pending = Pending(lambda ddp: attach(ddp, steps, out, process_group, write_page))
     family = _family(x)
+    trainer = TRAINER_NAMES.get(family, "accelerate" if _prepared_by_accelerate(found) else "torch DDP")
+    if found is not None:
+        return attach(found, steps, out, process_group, write_page, trainer)
+    pending = Pending(lambda ddp: attach(ddp, steps, out, process_group, write_page, trainer))
     if family == "lightning_trainer":
         x.callbacks.append(lightning_callback(pending))
     elif family == "hf_trainer":

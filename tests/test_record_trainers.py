@@ -12,6 +12,7 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TRAINERS = {"torch": None, "lightning": "lightning", "accelerate": "accelerate", "hf": "transformers"}
+NAMES = {"torch": "torch DDP", "lightning": "Lightning", "accelerate": "accelerate", "hf": "Hugging Face Trainer"}
 ACCUMULATES = {"torch": 2, "lightning": 1, "accelerate": 2, "hf": 2}  # micro-steps per optimizer step
 VALIDATES = {"torch", "lightning"}  # forwards under no_grad during the recorded steps
 
@@ -35,6 +36,7 @@ def test_each_recipe_records_optimizer_steps_whose_buckets_equal_torchs(trainer,
     for suffix in (".json", ".trace.json", ".html"):
         assert out.with_suffix(suffix).is_file(), suffix
     tl = load_run(out.with_suffix(".json"))
+    assert (tl.meta["run_name"], tl.meta["trainer"]) == (trainer, NAMES[trainer])
     logged = tl.meta["logged_bucket_sizes"]
     assert len(logged) == 2  # CAP_MB's two buckets, as torch rebuilt them
     for rank in (0, 1):
@@ -109,3 +111,18 @@ def test_a_lightning_module_before_fit_says_to_pass_the_trainer_which_waits_for_
     with pytest.raises(TypeError, match="not attached to a Trainer yet: pass the Trainer"):
         find_wrapper(pl.LightningModule())
     assert find_wrapper(pl.Trainer(accelerator="cpu", devices=1, logger=False)) is None  # waits for fit
+
+
+def test_saved_runs_are_labelled_by_their_name_and_trainer_and_alike_ones_by_their_folder(tmp_path):
+    import json
+
+    from ddplab.cli.view import load_runs
+    from ddplab.timeline import Timeline
+
+    paths = []
+    for folder, trainer in (("before", "Lightning"), ("after", "Lightning"), ("hf", "Hugging Face Trainer")):
+        (tmp_path / folder).mkdir()
+        tl = Timeline("ddp", 2, meta={"run_name": "run", "trainer": trainer})
+        paths.append(tmp_path / folder / "run.json")
+        paths[-1].write_text(json.dumps(tl.to_dict()))
+    assert list(load_runs(paths)) == ["before/run (Lightning)", "after/run (Lightning)", "run (Hugging Face Trainer)"]

@@ -83,7 +83,7 @@ class RunRecorder:
     """Attached to one DDP model by ``record()``; see the module docstring."""
 
     def __init__(self, ddp_model, steps=range(1, 6), out=None, process_group=None,
-                 write_page=None):
+                 write_page=None, trainer="torch DDP"):
         import torch.distributed as dist
 
         if not isinstance(steps, range) or len(steps) == 0 or steps.start < 0 or steps.step != 1:
@@ -101,7 +101,9 @@ class RunRecorder:
         self._index = {id(p): i for i, p in enumerate(self.params)}
         meta = {"recorded": "your run (ddplab.record)", "model": type(ddp_model.module).__name__,
                 "params": [{"name": n, "numel": p.numel(), "dtype": str(p.dtype).replace("torch.", ""),
-                            "requires_grad": p.requires_grad} for n, p in zip(self.names, self.params)]}
+                            "requires_grad": p.requires_grad} for n, p in zip(self.names, self.params)],
+                # what the page and `ddplab view` label the run by
+                "run_name": None if out is None else Path(out).name, "trainer": trainer}
         self.recorder = Recorder("ddp", self.rank, self.world, self.backend, meta)
         # On NCCL a host stamp says when the host queued work, not when the GPU ran it: the
         # GPU's times come from CUDA events (ddplab.timeline.cuda_events), resolved per step.
@@ -420,13 +422,19 @@ class RunRecorder:
         write_chrome_trace(paths["trace"], self.timeline)
         if self.write_page is not None:
             paths["html"] = out.with_suffix(".html")
-            self.write_page(paths["html"], {out.stem: self.timeline})
+            self.write_page(paths["html"], {run_label(self.timeline, out.name): self.timeline})
         return {k: str(v) for k, v in paths.items()}
 
 
-def record(ddp_model, steps=range(1, 6), out=None, process_group=None, write_page=None):
+def run_label(tl: Timeline, fallback: str) -> str:
+    """A recorded run's name on a page: its name (``out``'s) and the trainer it ran under."""
+    name = tl.meta.get("run_name") or fallback
+    return f"{name} ({tl.meta['trainer']})" if tl.meta.get("trainer") else name
+
+
+def record(ddp_model, steps=range(1, 6), out=None, process_group=None, write_page=None, trainer="torch DDP"):
     """Record ``steps`` of a torch DDP model's training on every rank; see the module docstring."""
-    return RunRecorder(ddp_model, steps, out, process_group, write_page)
+    return RunRecorder(ddp_model, steps, out, process_group, write_page, trainer)
 
 
 def load_run(path) -> Timeline:
