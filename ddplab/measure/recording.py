@@ -208,7 +208,7 @@ class RunRecorder:
         import torch
 
         if not torch.is_grad_enabled():
-            if self._recording() or self._micro > 0:
+            if self._recording():
                 self._evals.append([self.step, getattr(self, "_eval_t0", None), now()])
             return
         if not self._recording():
