@@ -4,7 +4,8 @@
 
 TRAINER: ``torch`` (a plain loop: 2 accumulation micro-steps per optimizer step and a
 validation forward after every step), ``lightning`` (validation every 2 steps),
-``accelerate`` and ``hf`` (2 accumulation micro-steps each). Every run trains 6 optimizer
+``accelerate`` (with its fp16 comm hook, registered inside ``prepare()``) and ``hf`` (2
+accumulation micro-steps each). Every run trains 6 optimizer
 steps and records steps 1-4 (``steps=range(1, 5)``). Run by tests/test_record_trainers.py.
 """
 import sys
@@ -92,9 +93,11 @@ def lightning():
 
 def accelerate():
     from accelerate import Accelerator, DistributedDataParallelKwargs
+    from accelerate.utils import DDPCommunicationHookType
 
-    accelerator = Accelerator(cpu=True, gradient_accumulation_steps=2,
-                              kwargs_handlers=[DistributedDataParallelKwargs(bucket_cap_mb=CAP_MB)])
+    # a comm hook registered inside prepare() (torch's fp16_compress_hook): measured all the same
+    ddp_kwargs = DistributedDataParallelKwargs(bucket_cap_mb=CAP_MB, comm_hook=DDPCommunicationHookType.FP16)
+    accelerator = Accelerator(cpu=True, gradient_accumulation_steps=2, kwargs_handlers=[ddp_kwargs])
     torch.manual_seed(0)
     net = Net()
     model, opt, loader = accelerator.prepare(net, torch.optim.SGD(net.parameters(), lr=0.01),

@@ -1,7 +1,7 @@
 """ddplab.record from the trainer you already use, as docs/recording.md's recipes give it: a plain
 torch loop, Lightning, accelerate and the Hugging Face Trainer, each under torchrun on 2 gloo ranks
 (tests/_trainer_script.py). Each writes its three files, its last step's buckets equal torch's own
-logging data, steps are optimizer steps (accumulation micro-steps inside their step, validation
+logging data, every all-reduce is timed (accelerate's comm hook, registered in prepare(), too), steps are optimizer steps (accumulation micro-steps inside their step, validation
 forwards left out), and torch's one-bucket step before its rebuild never reaches a what-if."""
 import importlib.util
 import os
@@ -50,6 +50,11 @@ def test_each_recipe_records_optimizer_steps_whose_buckets_equal_torchs(trainer,
     for step, start, end in evals:  # a validation forward lies outside every recorded step
         it = tl.iteration(0, step)
         assert it is None or not (it.start <= start and end <= it.end), (step, start, end)
+    for b in tl.buckets:  # every bucket's all-reduce measured: ready, launched, done
+        assert b.grads_ready <= b.launch <= b.comm_end, b
+    assert "comm_not_measured" not in tl.meta
+    if trainer == "accelerate":  # the hook prepare() registered before record() was taken out and timed
+        assert tl.meta["comm_hook"] == tl.meta["ddp_logging_data"]["comm_hook"] == "fp16_compress_hook"
     summary = summarize(tl)
     assert summary["n_buckets"] == len(logged) and summary["iterations_counted"] == 4
 
