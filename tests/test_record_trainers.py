@@ -131,3 +131,4 @@ def test_saved_runs_are_labelled_by_their_name_and_trainer_and_alike_ones_by_the
         paths.append(tmp_path / folder / "run.json")
         paths[-1].write_text(json.dumps(tl.to_dict()))
     assert list(load_runs(paths)) == ["before/run (Lightning)", "after/run (Lightning)", "run (Hugging Face Trainer)"]
+

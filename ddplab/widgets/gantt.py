@@ -3,7 +3,7 @@
 Teaches: to read one DDP step. Each rank gets two rows, "compute" (forward,
 backward, waiting, optimizer step) and "comm" (one bar per bucket
 all-reduce, from the moment it was in flight to the moment its result was
-there). A bucket has the same colour on every rank and in every figure (its
+there; buckets in flight at the same time get lanes of their own in the row). A bucket has the same colour on every rank and in every figure (its
 index picks the colour), so bucket 2 on rank 0 is easy to match with bucket
 2 on rank 1, and with bucket 2 of another strategy. Hovering a bar shows the
 bucket's parameters, bytes, when its gradients were ready, when it launched,
@@ -49,6 +49,24 @@ COMM_LABEL_SIMULATED = "all-reduce (colour = bucket, hatched = simulated link)"
 def bucket_color(index: int) -> str:
     """The colour of bucket ``index``, the same in every figure."""
     return BUCKET_PALETTE[index % len(BUCKET_PALETTE)]
+
+
+def in_flight_lanes(tl: Timeline, shown) -> dict:
+    """(rank, iteration, index) -> (lanes that rank needs, this bucket's lane): a bucket takes
+    the first lane free when it launches, so two buckets in flight at once never share one."""
+    out, by_rank = {}, {}
+    for b in tl.buckets:
+        span = b.comm_interval()
+        if b.iteration in shown and span is not None:
+            by_rank.setdefault(b.rank, []).append((span, b))
+    for items in by_rank.values():
+        ends, placed = [], []
+        for (a, e), b in sorted(items, key=lambda item: item[0]):
+            k = next((k for k, end in enumerate(ends) if end <= a), len(ends))
+            ends[k:k + 1] = [e]
+            placed.append(((b.rank, b.iteration, b.index), k))
+        out.update({key: (len(ends), k) for key, k in placed})
+    return out
 
 
 def row_names(ranks) -> list[str]:
@@ -146,6 +164,8 @@ def gantt_traces(tl: Timeline, iterations=None, origin=None, legend=True, name_s
                 hovertext=hover, hovertemplate="%{hovertext}<extra></extra>",
                 legendgroup=phase, showlegend=legend))
     y, x, base, hover, colors, patterns, labels, index = [], [], [], [], [], [], [], []
+    lanes = in_flight_lanes(tl, shown)
+    lane, n_lanes = [], max((n for n, _ in lanes.values()), default=1)
     for b in sorted(tl.buckets, key=lambda b: (b.iteration, b.rank, b.index)):
         span = b.comm_interval()
         if b.iteration not in shown or span is None:
@@ -161,6 +181,7 @@ def gantt_traces(tl: Timeline, iterations=None, origin=None, legend=True, name_s
                 if b.launch - b.grads_ready > 5e-4 else "")
         sources = ", ".join(f"{k}={v}" for k, v in sorted(b.sources.items())) or "cpu"
         y.append(f"rank {b.rank} comm")
+        lane.append(lanes[(b.rank, b.iteration, b.index)][1])
         base.append(a)
         x.append(e - a)
         colors.append(bucket_color(b.index))
@@ -175,7 +196,11 @@ def gantt_traces(tl: Timeline, iterations=None, origin=None, legend=True, name_s
                      f"<br>stamp sources: {sources}"
                      + ("<br><b>SIMULATED link</b>" if b.simulated else ""))
     if x:
+        # buckets in flight at once: each on a lane of its own within its rank's row
+        stack = ({} if n_lanes == 1 else
+                 dict(width=[0.8 / n_lanes] * len(x), offset=[-0.4 + k * 0.8 / n_lanes for k in lane]))
         traces.append(go.Bar(
+            **stack,
             name=(COMM_LABEL_SIMULATED if "/" in patterns else COMM_LABEL) + name_suffix,
             orientation="h", y=y, x=x, base=base,
             marker=dict(color=colors, pattern=dict(shape=patterns, fillmode="overlay", size=6),
