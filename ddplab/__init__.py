@@ -39,7 +39,7 @@ _SYNC = ("average_gradients", "OverlapDDP", "BucketedDDP")
 def record(model, steps=range(1, 6), out=None, process_group=None):
     """Record optimizer ``steps`` of your torch DDP training on every rank (ddplab.measure.recording);
     ``model``: the DDP wrapper, or what holds it (a Lightning or Hugging Face Trainer, a
-    LightningModule, an Accelerator: ddplab.integrations). With ``out="run"`` rank 0 writes
+    LightningModule: ddplab.integrations). With ``out="run"`` rank 0 writes
     run.json, run.trace.json and run.html (the labs' figures) once the last step is over."""
     from ddplab.cli.view import runs_page
     from ddplab.integrations import record as attach

@@ -8,15 +8,16 @@ model, not the trainer) is what runs the all-reduces. Where each keeps it:
   (a ``Callback.on_train_start`` sees it; a LightningModule reaches it
   through its ``trainer``);
 - accelerate: the object ``accelerator.prepare(model)`` returns (the
-  Accelerator lists it in ``_models``);
+  Accelerator itself keeps only the model it was given);
 - the Hugging Face Trainer: ``trainer.model_wrapped``, once ``train()`` has
   wrapped the model (a ``TrainerCallback.on_train_begin`` sees it; the
   callback's own ``model=`` is the unwrapped model).
 
-``record(x, ...)`` takes any of these. A Lightning or Hugging Face Trainer
-handed over before training adds a small callback that starts the recording
-when training starts and finishes it when training ends (on every rank), and
-returns a handle that becomes the recorder then. Nothing here imports a
+``record(x, ...)`` takes any of these (an Accelerator gets a sentence naming
+prepare()'s model). A Lightning or Hugging Face Trainer handed over before
+training adds a small callback that starts the recording when training starts
+and finishes it when training ends (on every rank), and returns a handle that
+becomes the recorder then. Nothing here imports a
 trainer you did not hand over.
 
 Leaves out: FSDP (``fully_shard``) has no DDP wrapper and no buckets: it is
@@ -31,11 +32,10 @@ from __future__ import annotations
 
 WHAT_TO_PASS = ("pass the DistributedDataParallel object that wraps your model: the object "
                 "DistributedDataParallel(...) or accelerator.prepare(model) returned, a Lightning Trainer "
-                "(trainer.strategy.model), a Hugging Face Trainer (trainer.model_wrapped) or an Accelerator")
+                "(trainer.strategy.model) or a Hugging Face Trainer (trainer.model_wrapped)")
 
 
-TRAINER_NAMES = {"lightning_trainer": "Lightning", "lightning_module": "Lightning", "accelerator": "accelerate",
-                 "hf_trainer": "Hugging Face Trainer"}
+TRAINER_NAMES = {"lightning_trainer": "Lightning", "lightning_module": "Lightning", "hf_trainer": "Hugging Face Trainer"}
 
 
 def _prepared_by_accelerate(ddp_model) -> bool:
@@ -93,11 +93,10 @@ def find_wrapper(x):
                             "Trainer before trainer.fit(...) instead")
         return found
     if family == "accelerator":
-        wrapped = [m for m in getattr(x, "_models", ()) if isinstance(m, DistributedDataParallel)]
-        if len(wrapped) != 1:
-            raise TypeError(f"this Accelerator holds {len(wrapped)} DDP-wrapped models: pass the one "
-                            "accelerator.prepare(model) returned, after prepare (with 2+ processes)")
-        return wrapped[0]
+        # accelerate 1.15 keeps the model it was given in _models, not the DDP it wraps it in
+        # (accelerator.py, prepare_model: only FSDP replaces the entry)
+        raise TypeError("an Accelerator does not keep the DistributedDataParallel it made: pass the "
+                        "model accelerator.prepare(model) returned (with 2 or more processes)")
     if family == "hf_trainer":
         inner = getattr(x, "model_wrapped", None)
         return inner if isinstance(inner, DistributedDataParallel) else None

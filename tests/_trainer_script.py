@@ -15,6 +15,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import ddplab
+from ddplab.integrations import find_wrapper
 
 TRAINER, OUT = sys.argv[1], sys.argv[2]
 CAP_MB = 0.1  # two buckets once torch has rebuilt them (one before)
@@ -79,6 +80,9 @@ def lightning():
         def configure_optimizers(self):
             return torch.optim.SGD(self.parameters(), lr=0.01)
 
+        def on_train_start(self):  # during training, the module leads to the same wrapper
+            assert find_wrapper(self) is self.trainer.strategy.model
+
     torch.manual_seed(0)
     loader = torch.utils.data.DataLoader(data(), batch_size=4)
     trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=DDPStrategy(process_group_backend="gloo",
@@ -102,7 +106,12 @@ def accelerate():
     net = Net()
     model, opt, loader = accelerator.prepare(net, torch.optim.SGD(net.parameters(), lr=0.01),
                                              torch.utils.data.DataLoader(data(256), batch_size=4))
-    rec = ddplab.record(model, steps=RECORD, out=OUT)  # <- the one line (or the accelerator)
+    rec = ddplab.record(model, steps=RECORD, out=OUT)  # <- the one line
+    try:  # the Accelerator keeps the unwrapped model only: it says what to pass instead
+        find_wrapper(accelerator)
+        raise AssertionError("find_wrapper(accelerator) did not refuse")
+    except TypeError as e:
+        assert "pass the model accelerator.prepare(model) returned" in str(e), e
     for i, (x, y) in enumerate(loader):
         if i == 2 * STEPS:
             break
@@ -136,6 +145,7 @@ def hf():
     rec = ddplab.record(trainer, steps=RECORD, out=OUT)  # <- the one line
     trainer.train()
     rec.wait()
+    assert find_wrapper(trainer) is trainer.model_wrapped is rec.recorder.ddp
 
 
 {"torch": plain_torch, "lightning": lightning, "accelerate": accelerate, "hf": hf}[TRAINER]()
