@@ -83,6 +83,9 @@ check: $(STAMP)
 # the second worker overlaps; UNIT_MORE_WORKERS=0 runs them in this process, one after another.
 UNIT_MORE_WORKERS ?= 2
 test-unit-more: $(STAMP)
+	# the trainers ddplab.record is tested under (tests/measure/test_record_trainers.py): Lightning,
+	# accelerate, transformers; pure-Python wheels, pinned so that they keep the CPU torch
+	$(PY) -m pip install --quiet -c constraints.txt -e '.[trainers]'
 	$(call pytest_or_say_empty,-q -m more -n $(UNIT_MORE_WORKERS) --dist loadfile $(UNIT))
 
 # The labs make test leaves out.

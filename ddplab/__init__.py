@@ -37,13 +37,15 @@ def unload_ipython_extension(ipython):
 _SYNC = ("average_gradients", "OverlapDDP", "BucketedDDP")
 
 
-def record(ddp_model, steps=range(0, 5), out=None, process_group=None):
-    """Record ``steps`` of your torch DDP model's training on every rank (ddplab.measure.recording);
-    with ``out="run"`` rank 0 writes run.json, run.trace.json and run.html (the labs' figures)."""
+def record(model, steps=range(1, 6), out=None, process_group=None):
+    """Record optimizer ``steps`` of your torch DDP training on every rank (ddplab.measure.recording);
+    ``model``: the DDP wrapper, or what holds it (a Lightning or Hugging Face Trainer, a
+    LightningModule: ddplab.integrations). With ``out="run"`` rank 0 writes
+    run.json, run.trace.json and run.html (the labs' figures) once the last step is over."""
     from ddplab.cli.view import runs_page
-    from ddplab.measure.recording import record as attach
+    from ddplab.integrations import record as attach
 
-    return attach(ddp_model, steps, out, process_group, write_page=runs_page)
+    return attach(model, steps, out, process_group, write_page=runs_page)
 
 
 def view(*paths, out=None):

@@ -36,15 +36,20 @@ def runs_page(path, timelines: dict, title: str = "ddplab: saved runs") -> str:
 
 
 def load_runs(paths) -> dict:
-    """``{label: Timeline}`` for saved runs; labels are the file names, made unique."""
-    from ddplab.measure.recording import load_run
+    """``{label: Timeline}`` for saved runs: each labelled by its run's name and trainer
+    (``ddplab.record``'s meta; else the file's name); two alike get their folders' names."""
+    from ddplab.measure.recording import load_run, run_label
 
+    loaded = [(Path(p), load_run(p)) for p in paths]
+    labels = [run_label(tl, p.name.removesuffix(".json")) for p, tl in loaded]
     runs = {}
-    for p in paths:
-        label = Path(p).name.removesuffix(".json")
+    for (p, tl), label in zip(loaded, labels):
+        if labels.count(label) > 1:
+            label = f"{p.resolve().parent.name}/{label}"
+        base, n = label, 2
         while label in runs:
-            label += "'"
-        runs[label] = load_run(p)
+            label, n = f"{base} #{n}", n + 1
+        runs[label] = tl
     return runs
 
 

@@ -9,8 +9,15 @@ to the training loop::
     for batch in loader:                                        # the loop as it was
         loss_fn(ddp(batch)).backward(); opt.step(); opt.zero_grad()
 
+Steps are optimizer steps: a step runs from its first forward to the end of the
+``torch.optim`` step that closes it (global step pre/post hooks, kept to optimizers
+holding this model's parameters). Gradient-accumulation micro-steps run under
+``no_sync`` are one phase of their step (``no_sync``); forwards with gradients off
+(validation, sanity checks) are listed in the meta and belong to no step; the steps
+before torch rebuilds its buckets (one bucket) are flagged ``ddp_one_bucket``.
+
 What is stamped, and from where (every stamp says its source):
-- a forward pre-hook and a forward hook on the DDP module: the iteration's
+- a forward pre-hook and a forward hook on the DDP module: the step's
   start and its forward phase; backward is taken to start when forward ends
   (the loss in between is counted as backward, ``derived``);
 - a post-accumulate-grad hook on every parameter: when its gradient became
@@ -19,19 +26,22 @@ What is stamped, and from where (every stamp says its source):
   torch takes ONE comm hook per model, so the recorder registers a hook that
   dispatches: to the plain all-reduce (divide, SUM) until you register yours,
   then to yours (``register_comm_hook`` on this model is wrapped, so a later
-  call of yours lands here). If a hook was registered BEFORE the call (yours,
-  or the one ``mixed_precision=`` installs), the recorder cannot wrap it: the
-  buckets are then taken from torch's logging data with their ready times,
-  and their communication is marked not measured.
+  call of yours lands here). A Python hook registered BEFORE the call is taken
+  out and dispatched to as well; at finish() an empty slot is given back empty
+  (ddplab.measure.recording_hooks), and a hook of yours keeps running behind a
+  forwarder, named in DDP's logging data. A built-in C++ hook or the one
+  ``mixed_precision=`` installs cannot be wrapped: the buckets are then taken
+  from torch's logging data with their ready times, and their communication is
+  marked not measured.
 
 The recording finishes by itself at the end of the last step asked for: right
-after the optimizer step that follows that step's backward (a global
-``torch.optim`` post-step hook; DDP has waited for every bucket by then, so the
-next collective is safe on every rank), else at the next forward. Then every
-rank aligns its clock with rank 0's (``ddplab.timeline.clock``), rank 0 gathers
-the parts and writes ``out.json`` (the timeline, the parameters, torch's
-logging data), ``out.trace.json`` (Perfetto / chrome://tracing) and, when given
-a page writer (``ddplab.record`` gives the labs' figures), ``out.html``.
+after its optimizer step (DDP has waited for every bucket by then, so the next
+collective is safe on every rank), else at the next forward. Then every rank
+aligns its clock with rank 0's (``ddplab.timeline.clock``), rank 0 gathers the
+parts and, on a thread of its own (off the training step; ``wait()`` joins it),
+writes ``out.json`` (the timeline, the parameters, torch's logging data),
+``out.trace.json`` (Perfetto / chrome://tracing) and, when given a page writer
+(``ddplab.record`` gives the labs' figures), ``out.html``.
 A run that ends before that (a shorter loop, no ``torch.optim`` optimizer, the
 process group destroyed, an error) is never silent: at exit, rank 0 says which
 steps were recorded, that nothing was written and what to call
@@ -39,9 +49,7 @@ steps were recorded, that nothing was written and what to call
 ``finish()`` never waits forever for a rank that does not come: its first
 collective is a barrier with a time limit. (The endings: ddplab.measure.recording_end.)
 
-Leaves out, compared with the profiler: kernels, memory, the optimizer step as a
-phase of its own (the recorder never sees your optimizer: the time after the
-last all-reduce until the next forward is the iteration's end). On NCCL the
+Leaves out, compared with the profiler: kernels and memory. On NCCL the
 phases, the gradients' ready times and each bucket's all-reduce are CUDA events
 (``ddplab.timeline.cuda_events``; source ``cuda_event``): a gradient's event is
 recorded on the stream that made it, a bucket's end on a side stream after
@@ -56,10 +64,12 @@ torch/distributed/algorithms/ddp_comm_hooks/default_hooks.py (allreduce_hook).
 from __future__ import annotations
 
 import json
+import threading
 from pathlib import Path
 
 from ddplab.launchers import jobstore
 from ddplab.measure.recording_end import DESTROYED, FINISH_TIMEOUT_S, UNFINISHED, gather, group_alive, machine
+from ddplab.measure.recording_hooks import fresh_reducer, python_hook, wrappable
 from ddplab.measure.recording_layout import NOT_MEASURED, buckets_from_logging, logged_buckets
 from ddplab.timeline.clock import now
 from ddplab.timeline.recorder import Recorder
@@ -73,13 +83,13 @@ NOT_ON_DEVICE = ("on NCCL a comm hook's future completes when its all-reduce is 
 class RunRecorder:
     """Attached to one DDP model by ``record()``; see the module docstring."""
 
-    def __init__(self, ddp_model, steps=range(0, 5), out=None, process_group=None,
-                 write_page=None):
+    def __init__(self, ddp_model, steps=range(1, 6), out=None, process_group=None,
+                 write_page=None, trainer="torch DDP"):
         import torch.distributed as dist
 
         if not isinstance(steps, range) or len(steps) == 0 or steps.start < 0 or steps.step != 1:
-            raise ValueError(f"steps={steps!r}: give a non-empty range of iterations, e.g. "
-                             "range(5, 15) (iteration 0 is your first forward after this call)")
+            raise ValueError(f"steps={steps!r}: give a non-empty range of optimizer steps, e.g. "
+                             "range(5, 15) (step 0 is the first one after this call)")
         if not dist.is_initialized():
             raise RuntimeError("ddplab.record() needs the process group your DDP model uses: "
                                "call it after init_process_group() and DistributedDataParallel(...)")
@@ -93,7 +103,9 @@ class RunRecorder:
         meta = {"recorded": "your run (ddplab.record)", "model": type(ddp_model.module).__name__,
                 "params": [{"name": n, "numel": p.numel(), "dtype": str(p.dtype).replace("torch.", ""),
                             "requires_grad": p.requires_grad} for n, p in zip(self.names, self.params)],
-                "place": jobstore.place()}  # this rank's job, node and host; rank 0 lists them all
+                "place": jobstore.place(),  # this rank's job, node and host; rank 0 lists them all
+                # what the page and `ddplab view` label the run by
+                "run_name": None if out is None else Path(out).name, "trainer": trainer}
         self.recorder = Recorder("ddp", self.rank, self.world, self.backend, meta)
         # On NCCL a host stamp says when the host queued work, not when the GPU ran it: the
         # GPU's times come from CUDA events (ddplab.timeline.cuda_events), resolved per step.
@@ -105,35 +117,53 @@ class RunRecorder:
             self.timer = self.recorder.device_timer = CudaStamps(on)
             self._grad_events = GradEvents(self.timer)
         self.grads: list[GradRecord] = []
-        self.iteration = -1
+        self.step = 0  # optimizer steps completed since record() (the step being run)
+        self.started = -1  # the last step whose first forward has run
+        self._micro = 0  # forwards with a backward (micro-steps) in this step so far
+        self._sync_now = True  # whether this micro-step's backward synchronizes (not no_sync)
+        self._synced = False  # this step's synchronizing backward has run
+        self._stepper_seen = False  # an optimizer holding these parameters has stepped
+        self._holders: dict[int, bool] = {}  # id(optimizer) -> whether it steps these parameters
+        self._nosync: list | None = None  # [start, end] of this step's no_sync micro-steps
+        self._step_t0 = None
+        self._micro_steps: dict[int, int] = {}  # recorded step -> its micro-steps
+        self._evals: list = []  # forwards with no backward in recorded steps: [step, start, end]
+        # torch rebuilds its buckets once, at the first forward after a backward, unless
+        # find_unused_parameters (without static_graph) keeps the layout it was built with;
+        # until then the reducer holds ONE bucket (distributed.py, compute_bucket_size_limits)
+        self._rebuilt = not (getattr(ddp_model, "static_graph", False)
+                             or not getattr(ddp_model, "find_unused_parameters", False))
         self.timeline: Timeline | None = None  # rank 0's gathered run, after finish()
         self.finished = False
         self._ready: dict[int, float] = {}
         self._user_hook = None
-        # a hook already there: yours (register_comm_hook), a built-in one
-        # (register_builtin_comm_hook, which only torch's logging data remembers) or
-        # mixed_precision='s own
-        self.comm_measured = not (ddp_model._comm_hooks or getattr(ddp_model, "mixed_precision", None)
-                                  or ddp_model._get_ddp_logging_data().get("comm_hook"))
-        self._backward_done = -1  # the last iteration whose backward has completed
-        self._end_queued = -1
-        from torch.optim.optimizer import register_optimizer_step_post_hook
+        # the one comm-hook slot (ddplab.measure.recording_hooks): a Python hook of yours
+        # already there is taken out (a fresh reducer) and called by ours; a built-in one
+        # (only torch's logging data remembers it) or mixed_precision='s cannot be
+        self.comm_measured = wrappable(ddp_model)
+        if self.comm_measured and python_hook(ddp_model) is not None:
+            self._user_hook = python_hook(ddp_model)
+            fresh_reducer(ddp_model)
+        from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
         self._handles = [ddp_model.register_forward_pre_hook(self._forward_start),
                          ddp_model.register_forward_hook(self._forward_end),
+                         register_optimizer_step_pre_hook(self._before_optimizer_step),
                          register_optimizer_step_post_hook(self._after_optimizer_step)]
         self._handles += [p.register_post_accumulate_grad_hook(self._grad_ready)
                           for p in self.params if p.requires_grad]
         if self.comm_measured:
             ddp_model.register_comm_hook(self, RunRecorder._dispatch)
             ddp_model.register_comm_hook = self._register_user_hook  # yours, wrapped when it comes
+            if self._user_hook is not None:
+                self._register_user_hook(self._user_hook[1], self._user_hook[0], again=True)
         else:
             self.recorder.timeline.meta["comm_not_measured"] = NOT_MEASURED
         UNFINISHED.add(self)
 
     # -- the user's hook, when it comes after us ------------------------------------
-    def _register_user_hook(self, state, hook):
-        if self._user_hook is not None:
+    def _register_user_hook(self, state, hook, again=False):
+        if self._user_hook is not None and not again:
             raise RuntimeError("register_comm_hook can only be called once per DDP model "
                                "(torch's rule; ddplab.record() keeps it)")
         self._user_hook = (hook, state)
@@ -142,61 +172,121 @@ class RunRecorder:
 
     # -- hooks ------------------------------------------------------------------------
     def _recording(self) -> bool:
-        return self.iteration in self.steps and not self.finished
+        return self.step in self.steps and not self.finished
 
     def _forward_start(self, module, args):
         if self.finished:
             return
-        self._close_wait()
-        self.iteration += 1
-        if self.iteration == self.steps.stop:
-            self.finish()
+        import torch
+
+        if not torch.is_grad_enabled():  # validation, a sanity check: no backward follows
+            self._eval_t0 = now()
             return
+        if self._synced and not self._stepper_seen:
+            # no torch.optim optimizer steps these parameters: a step ends at the forward
+            # after its synchronizing backward
+            self._end_step()
+            if self.finished:
+                return
+        if self._micro == 0 and self._recording():
+            self.recorder.begin_iteration(self.step)
+            self._ready, self._last_comm, self._nosync, self._step_t0 = {}, None, None, None
+        self._micro += 1
+        self.started = self.step
+        self._sync_now = self.ddp.require_backward_grad_sync
         if self._recording():
-            flags = () if self.ddp.require_backward_grad_sync else ("no_sync",)
-            self.recorder.begin_iteration(self.iteration, flags)
-            self._forward_t0, self._ready, self._last_comm = now(), {}, None
+            t = now()
+            if not self._sync_now:  # a gradient-accumulation micro-step (no_sync)
+                self._nosync = [t, t] if self._nosync is None else self._nosync
+                return
+            self._forward_t0 = t
             if self.timer is not None:
                 self._forward_e0 = self.timer.phase_event()
                 self._grad_events.new_step()
 
     def _forward_end(self, module, args, output):
-        if self._recording():
-            t = now()
-            self.recorder.set_phase("forward", self._forward_t0, t, "cpu")
-            self._backward_t0 = t
-            if self.timer is not None:  # the same phase on the GPU's clock (at the step's end)
-                self._backward_e0 = self.timer.phase_event()
-                self.timer.add_phase("forward", self._forward_e0, self._backward_e0)
+        if self.finished:
+            return
+        import torch
+
+        if not torch.is_grad_enabled():
+            if self._recording():
+                self._evals.append([self.step, getattr(self, "_eval_t0", None), now()])
+            return
+        if not self._recording():
+            return
+        t = now()
+        if not self._sync_now:
+            self._nosync[1] = t
+            return
+        self.recorder.set_phase("forward", self._forward_t0, t, "cpu")
+        self._backward_t0 = t
+        if self.timer is not None:  # the same phase on the GPU's clock (at the step's end)
+            self._backward_e0 = self.timer.phase_event()
+            self.timer.add_phase("forward", self._forward_e0, self._backward_e0)
+        if not self._rebuilt:
+            # DDP rebuilds inside its forward (_pre_forward, which sets _has_rebuilt_buckets;
+            # the logging data's flag waits for its sampled runtime stats): read after it
+            if getattr(self.ddp, "_has_rebuilt_buckets", True):
+                self._rebuilt = True
+            else:
+                self.recorder.flag("ddp_one_bucket")
 
     def _grad_ready(self, param):
+        if not self._sync_now:
+            if self._recording():
+                self._nosync[1] = now()
+            return
+        self._synced = True
         if self._recording():
             t = now()
             i = self._index[id(param)]
             self._ready[i] = t
-            self.grads.append(GradRecord(self.rank, self.iteration, i,
+            self.grads.append(GradRecord(self.rank, self.step, i,
                                          param.numel() * param.element_size(), t))
             if self.timer is not None:  # on the stream that made the gradient, after it
                 event = self._grad_events.ready(i, self.grads[-1])
                 self.timer.add_phase("backward", self._backward_e0, event)  # the last one counts
             self.recorder.set_phase("backward", self._backward_t0, t, "derived")
-            if self._end_queued != self.iteration:
-                # runs once this backward is over (DDP's own wait for its buckets included,
-                # as it runs in the autograd engine's final callbacks too)
-                self._end_queued = self.iteration
-                from torch.autograd import Variable
 
-                Variable._execution_engine.queue_callback(self._backward_ended)
+    def _holds(self, optimizer) -> bool:
+        """Whether ``optimizer`` steps this model's parameters (the hooks are global)."""
+        held = self._holders.get(id(optimizer))
+        if held is None:
+            held = self._holders[id(optimizer)] = any(
+                id(p) in self._index for g in optimizer.param_groups for p in g["params"])
+        return held
 
-    def _backward_ended(self):
-        self._backward_done = self.iteration
+    def _before_optimizer_step(self, optimizer, args, kwargs):
+        # Lightning calls optimizer.step(closure) BEFORE its forward: then no step phase
+        if self._micro > 0 and self._recording() and self._holds(optimizer):
+            self._step_t0 = now()
 
     def _after_optimizer_step(self, optimizer, args, kwargs):
-        """The end of the last step asked for: its backward is over (so DDP has waited for
-        every bucket on this rank) and the optimizer has stepped. Every rank gets here at the
-        same point of its loop, so finish()'s collectives line up."""
-        last = self.steps.stop - 1
-        if not self.finished and self.iteration == last and self._backward_done == last:
+        """The end of a step: its backward is over (so DDP has waited for every bucket on
+        this rank) and the optimizer has stepped. Every rank gets here at the same point of
+        its loop, so finish()'s collectives line up after the last step asked for."""
+        if self.finished or not self._holds(optimizer):
+            return
+        self._stepper_seen = True
+        if self._micro == 0:  # a second optimizer over the same parameters: one step
+            return
+        if self._recording() and self._step_t0 is not None:
+            self.recorder.set_phase("step", self._step_t0, now(), "cpu")
+        self._end_step()
+
+    def _end_step(self) -> None:
+        if self._recording():
+            self._close_wait()
+            if self._nosync is not None:
+                self.recorder.set_phase("no_sync", self._nosync[0], self._nosync[1], "cpu")
+            self._micro_steps[self.step] = self._micro
+            if not self._synced:  # every micro-step of it was no_sync: nothing was all-reduced
+                self.recorder.flag("no_sync")
+            self.recorder.end_iteration()
+        self.step += 1
+        self._micro, self._synced, self._nosync = 0, False, None
+        if self.step == self.steps.stop:
             self.finish()
 
     @staticmethod
@@ -269,6 +359,15 @@ class RunRecorder:
         UNFINISHED.discard(self)
         for h in self._handles:
             h.remove()
+        # torch's layout and logging data as the recorded steps ran (before a fresh reducer)
+        logged = logged_buckets(self.ddp)
+        logging = {k: v for k, v in self.ddp._get_ddp_logging_data().items() if isinstance(v, (int, float, str))}
+        if self.comm_measured and self._user_hook is None:  # the hook slot empty again
+            del self.ddp.register_comm_hook  # torch's own method again
+            fresh_reducer(self.ddp)
+        # With a hook of yours, ours stays in front of it and only forwards (its name is what
+        # DDP's logging data says): a fresh reducer would lay the buckets out again, and a
+        # hook that keeps state per bucket (PowerSGD's error feedback) would start over.
         self._close_wait()
         part = self.recorder.result()  # on NCCL: synchronizes and resolves the events
         if self.timer is not None:
@@ -277,6 +376,8 @@ class RunRecorder:
             self._grad_events.resolve()
             waits_from_buckets(part)
         part.grads = self.grads
+        part.meta.update(micro_steps={str(k): v for k, v in self._micro_steps.items()},
+                         steps_are="optimizer steps", forwards_without_backward=self._evals)
         if not self.comm_measured:
             buckets_from_logging(self, part)
         clock, parts = gather(part.to_dict(), self.group, self.rank, self.world, timeout)
@@ -285,14 +386,34 @@ class RunRecorder:
         tl = Timeline.merge([Timeline.from_dict(p) for p in parts]).shifted(clock["offsets"])
         tl.meta.pop("place", None)  # rank 0's alone: every rank's is in "ranks"
         tl.meta["ranks"] = [{"rank": r, **(p.get("meta") or {}).get("place", {})} for r, p in enumerate(parts)]
-        tl.meta.update(clock_bound_s=clock["bound_s"], logged_bucket_sizes=logged_buckets(self.ddp),
-                       machine=machine(self.world),
-                       ddp_logging_data={k: v for k, v in self.ddp._get_ddp_logging_data().items()
-                                         if isinstance(v, (int, float, str))})
+        tl.meta.update(clock_bound_s=clock["bound_s"], logged_bucket_sizes=logged,
+                       machine=machine(self.world), ddp_logging_data=logging)
         self.timeline = tl
         if self.out is not None:
-            self.save(self.out)
+            # Drawing the page takes seconds: off the training step, on a thread of its own.
+            # Not a daemon, so the interpreter waits for the files before it exits; wait()
+            # waits here (and raises what the writing raised).
+            self._writer = threading.Thread(target=self._write, name="ddplab.record writer")
+            self._writer.start()
         return tl
+
+    def _write(self) -> None:
+        try:
+            self.paths = self.save(self.out)
+        except BaseException as e:  # said by wait(); a thread's error would go to stderr only
+            self._write_error = e
+
+    def wait(self, timeout: float | None = None) -> dict:
+        """Wait for finish()'s files (rank 0; written in the background): their paths."""
+        writer = getattr(self, "_writer", None)
+        if writer is not None:
+            writer.join(timeout)
+            if writer.is_alive():
+                raise TimeoutError(f"ddplab.record: {self.out}.html is still being written after "
+                                   f"{timeout:g} s")
+        if getattr(self, "_write_error", None) is not None:
+            raise RuntimeError(f"ddplab.record: writing {self.out} failed") from self._write_error
+        return getattr(self, "paths", {})
 
     def save(self, out) -> dict:
         """Write out.json, out.trace.json and (with a page writer) out.html; rank 0 only."""
@@ -305,13 +426,19 @@ class RunRecorder:
         write_chrome_trace(paths["trace"], self.timeline)
         if self.write_page is not None:
             paths["html"] = out.with_suffix(".html")
-            self.write_page(paths["html"], {out.stem: self.timeline})
+            self.write_page(paths["html"], {run_label(self.timeline, out.name): self.timeline})
         return {k: str(v) for k, v in paths.items()}
 
 
-def record(ddp_model, steps=range(0, 5), out=None, process_group=None, write_page=None):
+def run_label(tl: Timeline, fallback: str) -> str:
+    """A recorded run's name on a page: its name (``out``'s) and the trainer it ran under."""
+    name = tl.meta.get("run_name") or fallback
+    return f"{name} ({tl.meta['trainer']})" if tl.meta.get("trainer") else name
+
+
+def record(ddp_model, steps=range(1, 6), out=None, process_group=None, write_page=None, trainer="torch DDP"):
     """Record ``steps`` of a torch DDP model's training on every rank; see the module docstring."""
-    return RunRecorder(ddp_model, steps, out, process_group, write_page)
+    return RunRecorder(ddp_model, steps, out, process_group, write_page, trainer)
 
 
 def load_run(path) -> Timeline:

@@ -85,13 +85,14 @@ def group_alive(group) -> bool:
 
 def unfinished_message(rec) -> str:
     """What rank 0 says at exit when ``rec`` (a RunRecorder) never finished: nothing written."""
-    first, last = rec.steps.start, min(rec.iteration, rec.steps.stop - 1)
+    started = rec.started  # the last step whose forward ran
+    first, last = rec.steps.start, min(started, rec.steps.stop - 1)
     asked = f"steps=range({rec.steps.start}, {rec.steps.stop})"
     where = f" to {rec.out}.json" if rec.out is not None else ""
     if last < first:
-        done = (f"no step was recorded: your loop ran {rec.iteration + 1} forward(s) "
-                f"(iterations 0-{rec.iteration}), fewer than the first one asked for")
-    elif rec.iteration >= rec.steps.stop - 1:
+        done = (f"no step was recorded: your loop ran {rec.step} optimizer step(s), "
+                "fewer than the first one asked for")
+    elif started >= rec.steps.stop - 1:
         done = (f"{_steps_text(first, last)} of {asked} were recorded, but no torch.optim "
                 f"optimizer step came after step {last}'s backward and no forward after it "
                 "(the recorder finishes at either)")

@@ -12,9 +12,10 @@ References: torch/nn/parallel/distributed.py (_get_ddp_logging_data).
 """
 from __future__ import annotations
 
-NOT_MEASURED = ("a comm hook was registered before ddplab.record() was called, so the recorder "
-                "could not wrap it: per-bucket communication is not measured (call record() "
-                "before register_comm_hook, or without mixed_precision=, to measure it)")
+NOT_MEASURED = ("a built-in comm hook (register_builtin_comm_hook) or mixed_precision='s was in place "
+                "before ddplab.record(): the recorder cannot call it from Python, so per-bucket "
+                "communication is not measured (a Python hook, e.g. default_hooks.fp16_compress_hook, "
+                "is measured, registered before or after the call)")
 
 
 def logged_buckets(ddp_model) -> list[int]:

@@ -26,7 +26,7 @@ import dataclasses
 from dataclasses import dataclass, field
 
 SOURCES = ("cpu", "cuda_event", "nccl_timing", "profiler", "derived", "simulated")
-PHASES = ("forward", "backward", "wait", "step")
+PHASES = ("no_sync", "forward", "backward", "wait", "step")
 
 
 @dataclass

@@ -3,8 +3,9 @@
 Teaches: to read one DDP step. Each rank gets two rows, "compute" (forward,
 backward, waiting, optimizer step) and "comm" (one bar per bucket
 all-reduce, from the moment it was in flight to the moment its result was
-there). A bucket has the same colour on every rank and in every figure (its
-index picks the colour), so bucket 2 on rank 0 is easy to match with bucket
+there; buckets in flight at the same time get lanes of their own in the row).
+A bucket has the same colour on every rank and in every figure (its index
+picks the colour), so bucket 2 on rank 0 is easy to match with bucket
 2 on rank 1, and with bucket 2 of another strategy. Hovering a bar shows the
 bucket's parameters, bytes, when its gradients were ready, when it launched,
 how long it was in flight, and where each stamp came from (cpu clock, CUDA
@@ -28,14 +29,16 @@ import plotly.graph_objects as go
 
 from ddplab.timeline import Timeline
 
-PHASE_COLORS = {"forward": "#9ecae1", "backward": "#2b6cb0", "wait": "#e2e2e2", "step": "#41ab5d"}
-PHASE_LABELS = {"forward": "forward", "backward": "backward", "wait": "waiting for all-reduce",
-                "step": "optimizer step"}
+# "no_sync": a recorded step's gradient-accumulation micro-steps, before its synchronizing one
+PHASE_COLORS = {"no_sync": "#c6dbef", "forward": "#9ecae1", "backward": "#2b6cb0", "wait": "#e2e2e2",
+                "step": "#41ab5d"}
+PHASE_LABELS = {"no_sync": "no_sync micro-steps (forward + backward, no all-reduce)", "forward": "forward",
+                "backward": "backward", "wait": "waiting for all-reduce", "step": "optimizer step"}
 # Warm colours, away from the blues and greens of compute.
 BUCKET_PALETTE = ("#f28e2b", "#9467bd", "#e15759", "#8c564b", "#e377c2", "#bcbd22",
                   "#17becf", "#b07aa1", "#ff9da7", "#c49c94")
 FLAG_LABELS = {"warmup": "warm-up (not averaged)",
-               "ddp_one_bucket": "torch DDP iteration 0: one bucket (not averaged)",
+               "ddp_one_bucket": "torch DDP before its bucket rebuild: one bucket (not averaged)",
                "ddp_rebuild": "torch DDP: buckets rebuilt (not averaged)",
                "no_sync": "no_sync: gradients accumulate, no all-reduce"}
 FLAG_SHORT = {"warmup": "warm-up", "ddp_one_bucket": "DDP: 1 bucket", "ddp_rebuild": "DDP: rebuild",
@@ -67,6 +70,24 @@ def op_of(b):
 def bucket_color(index: int) -> str:
     """The colour of bucket ``index``, the same in every figure."""
     return BUCKET_PALETTE[index % len(BUCKET_PALETTE)]
+
+
+def in_flight_lanes(tl: Timeline, shown) -> dict:
+    """(rank, iteration, index) -> (lanes that rank needs, this bucket's lane): a bucket takes
+    the first lane free when it launches, so two buckets in flight at once never share one."""
+    out, by_rank = {}, {}
+    for b in tl.buckets:
+        span = b.comm_interval()
+        if b.iteration in shown and span is not None:
+            by_rank.setdefault(b.rank, []).append((span, b))
+    for items in by_rank.values():
+        ends, placed = [], []
+        for (a, e), b in sorted(items, key=lambda item: item[0]):
+            k = next((k for k, end in enumerate(ends) if end <= a), len(ends))
+            ends[k:k + 1] = [e]
+            placed.append(((b.rank, b.iteration, b.index), k))
+        out.update({key: (len(ends), k) for key, k in placed})
+    return out
 
 
 def row_names(ranks) -> list[str]:
@@ -179,6 +200,8 @@ def gantt_traces(tl: Timeline, iterations=None, origin=None, legend=True, name_s
                                 what, legend, name_suffix)
         return traces, hidden
     y, x, base, hover, colors, patterns, labels, index = [], [], [], [], [], [], [], []
+    lanes = in_flight_lanes(tl, shown)
+    lane, n_lanes = [], max((n for n, _ in lanes.values()), default=1)
     for b in drawn:
         span = b.comm_interval()
         a, e = _ms(span[0], origin), _ms(span[1], origin)
@@ -189,6 +212,7 @@ def gantt_traces(tl: Timeline, iterations=None, origin=None, legend=True, name_s
                 if b.launch - b.grads_ready > 5e-4 else "")
         sources = ", ".join(f"{k}={v}" for k, v in sorted(b.sources.items())) or "cpu"
         y.append(f"rank {b.rank} comm")
+        lane.append(lanes[(b.rank, b.iteration, b.index)][1])
         base.append(a)
         x.append(e - a)
         colors.append(bucket_color(b.index))
@@ -203,7 +227,11 @@ def gantt_traces(tl: Timeline, iterations=None, origin=None, legend=True, name_s
                      f"<br>stamp sources: {sources}"
                      + ("<br><b>SIMULATED link</b>" if b.simulated else ""))
     if x:
+        # buckets in flight at once: each on a lane of its own within its rank's row
+        stack = ({} if n_lanes == 1 else
+                 dict(width=[0.8 / n_lanes] * len(x), offset=[-0.4 + k * 0.8 / n_lanes for k in lane]))
         traces.append(go.Bar(
+            **stack,
             name=(COMM_LABEL_SIMULATED if "/" in patterns else COMM_LABEL) + name_suffix,
             orientation="h", y=y, x=x, base=base,
             marker=dict(color=colors, pattern=dict(shape=patterns, fillmode="overlay", size=6),

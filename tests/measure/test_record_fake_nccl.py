@@ -98,6 +98,7 @@ def train(gpu, tmp_path, steps=5, hook=None):
         opt.step()
         opt.zero_grad()
         clock.advance(0.001)
+    rec.wait()  # the files are written on a thread of their own
     return rec, json.loads((tmp_path / "run.json").read_text())
 
 

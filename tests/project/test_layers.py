@@ -39,7 +39,8 @@ MODULES = {
                            "process", "progress", "rendezvous", "results", "status", "subset", "worker"],
         "ddplab.launchers": ["", "jobstore", "requeue", "schedulers", "stragglers", "torchrun"]},
     5: {"ddplab.measure": ["", "compare", "fits", "memory", "models", "profile", "recording", "recording_end",
-                           "recording_layout", "report", "runners", "spec", "sweep", "transformer", "whatif",
+                           "recording_hooks", "recording_layout", "report", "runners", "spec", "sweep", "transformer",
+                           "whatif",
                            "workload"]},
     6: {"ddplab.lessons": ["", "checkpoints", "claims", "common", "compression", "data", "firstgroup", "hangs",
                            "pipeline", "reducer_map", "ring", "sharding", "training", "yourmodel"]},
@@ -51,7 +52,7 @@ MODULES = {
         "ddplab.course": ["", "accounts", "classroom", "classroom_readme", "exercises", "handouts", "hubconfig",
                           "labsetup", "proxy_guard", "safety", "seats", "slurmhub"],
         "ddplab.cli": ["", "compare", "doctor", "view"],
-        "ddplab": ["", "__main__"]},  # `import ddplab` / `from ddplab import X`: the front door
+        "ddplab": ["", "__main__", "integrations"]},  # `import ddplab` / `from ddplab import X`: the front door
 }
 LAYERS = {f"{pkg}.{m}" if m else pkg: level
           for level, packages in MODULES.items() for pkg, mods in packages.items() for m in mods}

@@ -195,7 +195,7 @@ def test_every_figure_becomes_a_standalone_page_with_plotly_inlined_once(tmp_pat
     report = compare_report(runs["timelines"], runs["metrics"])
     assert report.count("Plotly.newPlot(") == 4 and "DEMO data" in report
     page = compare_page(runs, tmp_path / "compare.html")  # what compare --html calls
-    assert "torch DDP iteration 0: one bucket" in Path(page).read_text(encoding="utf-8")
+    assert "torch DDP before its bucket rebuild: one bucket" in Path(page).read_text(encoding="utf-8")
 
 
 # -- control panel -------------------------------------------------------------------------
