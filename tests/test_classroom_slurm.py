@@ -102,7 +102,7 @@ def test_two_learners_servers_are_slurm_jobs_culled_and_cancelled():
                                     f" on the way to {sys.prefix}: run from .venv-hub (make test-slurm-hub)")
     if why:
         need(f"learners as Unix accounts cannot be set up here: {why}")
-    taken = [n for n in [*LEARNERS, INSTRUCTOR] if accounts.exists(n)]
+    taken = [n for n in [*LEARNERS, INSTRUCTOR, f"{INSTRUCTOR}-grader"] if accounts.exists(n)]
     if taken:
         pytest.fail(f"Unix accounts {taken} exist already (a leftover? userdel --remove NAME)")
     start = time.monotonic()
@@ -110,6 +110,7 @@ def test_two_learners_servers_are_slurm_jobs_culled_and_cancelled():
     base = Path(tempfile.mkdtemp(prefix="ddplab-slurm-hub-"))
     base.chmod(0o755)  # the learners walk through it to their homes
     folder, hub, log, timings = base / "class", None, None, {}
+    modes = room.checkout_modes()  # the class closes the checkout's answers to other accounts
     try:
         try:
             slurm.start()
@@ -241,8 +242,9 @@ def test_two_learners_servers_are_slurm_jobs_culled_and_cancelled():
         subprocess.run([sys.executable, "-m", "ddplab", "classroom", str(folder), "--delete-accounts"],
                        capture_output=True, text=True, env=room.env(), timeout=120)
         strays = slurm.stop()
+        room.restore_modes(modes)
         shutil.rmtree(base, ignore_errors=True)
-    assert not [n for n in [*LEARNERS, INSTRUCTOR] if accounts.exists(n)], "accounts left behind"
+    assert not [n for n in [*LEARNERS, INSTRUCTOR, f"{INSTRUCTOR}-grader"] if accounts.exists(n)], "accounts left behind"
     assert not strays, f"processes left after Slurm's stop: {strays}"
 
 

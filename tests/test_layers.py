@@ -43,8 +43,8 @@ MODULES = {
                           "pipeline", "reducer_map", "ring", "sharding", "watch", "workload", "yourmodel"]},
     # the front doors: they may use everything below
     9: {"ddplab.notebook": ["", "completion", "ddpcell", "export", "magics", "rankview", "sbatch"],
-        "ddplab.course": ["", "accounts", "classroom", "classroom_readme", "exercises", "handouts", "hubconfig",
-                          "labsetup", "proxy_guard", "safety", "seats", "slurmhub"],
+        "ddplab.course": ["", "accounts", "classroom", "classroom_readme", "exchange_guard", "exercises", "gradebox",
+                          "handouts", "hubconfig", "labsetup", "proxy_guard", "safety", "seats", "slurmhub"],
         "ddplab.cli": ["", "compare", "doctor", "view"],
         "ddplab": ["", "__main__"]},
 }

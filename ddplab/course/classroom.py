@@ -45,6 +45,9 @@ COURSE_ID = "ddplab"
 NAME = re.compile(r"^[a-z][a-z0-9_-]{0,31}$")
 # Above the 40 s a grader may wait on a hung rank; nbgrader's default is 30 s per cell.
 CELL_TIMEOUT_S = 120
+# The grading sandbox limits each process's address space; torch with gloo reserves far more
+# than it touches, so less than this fails lab 00's import before any learner code runs.
+GRADING_MIN_GIB = 8.0
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -58,6 +61,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--instructor", default="instructor",
                    help="the hub admin's name; an existing account of that name is used as it is, "
                         "else one is created [instructor]")
+    p.add_argument("--grader", default=None,
+                   help="the grading account autograde runs submissions as (created, no password, no "
+                        "rights) [INSTRUCTOR-grader]")
     p.add_argument("--trusted-class", action="store_true",
                    help="UNSAFE: no Unix accounts; every learner's server runs as the hub's user, so "
                         "every learner can read the solutions, the gradebook and each other's work")
@@ -66,7 +72,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cpu-only", action="store_true", help="no GPUs for anyone (gloo on CPU)")
     p.add_argument("--threads", type=int, default=2, help="CPUs per learner (affinity) [2]")
     p.add_argument("--mem-gib", type=float, default=3.0,
-                   help="memory per learner, enforced by the systemd spawner only [3]")
+                   help="memory per learner, enforced by the systemd spawner, or by the local spawner "
+                        "where cgroup v1 is writable (the command says which) [3]")
     p.add_argument("--spawner", choices=hubconfig.SPAWNERS, default="local")
     p.add_argument("--ip", default="127.0.0.1",
                    help="where the proxy listens for browsers [127.0.0.1]; another address needs "
@@ -127,6 +134,13 @@ def find_proxy(given: str | None) -> str:
     return str(pathlib.Path(path).resolve())
 
 
+def grader(args) -> str:
+    name = args.grader or f"{args.instructor}-grader"
+    if not NAME.match(name):
+        raise ValueError(f"the grading account's name {name!r} is not a valid account name: pass --grader NAME")
+    return name
+
+
 def gpus_per_learner(args) -> int:
     if args.cpu_only:
         return 0
@@ -155,7 +169,7 @@ def write(args) -> tuple[pathlib.Path, dict]:
         raise ValueError("--threads must be at least 1")
     safety.check_network(args)
     if not args.trusted_class:
-        safety.check_accounts(names, args.instructor)
+        safety.check_accounts(names, args.instructor, grader(args))
     folder.mkdir(parents=True, exist_ok=True)
     folder.chmod(0o755)
     try:
@@ -183,7 +197,8 @@ def _fill(folder: pathlib.Path, names: list[str], proxy: str, per: int, args) ->
         w = csv.writer(f)
         w.writerow(["id"])
         w.writerows([n] for n in names)
-    (course / "nbgrader_config.py").write_text(course_config(course, exchange))
+    (course / "nbgrader_config.py").write_text(course_config(
+        course, exchange, None if args.trusted_class else grader(args), args.mem_gib))
     write_learner_config(folder / "learner-config", exchange)
     (folder / "jupyterhub_config.py").write_text(hubconfig.render(
         folder=str(folder), learners=names, admin=args.instructor, gpus_per_learner=per,
@@ -198,8 +213,9 @@ def _fill(folder: pathlib.Path, names: list[str], proxy: str, per: int, args) ->
         rule = slurmhub.sudoers(args.hub_user, names)
         (folder / "sudoers").write_text(rule)
         if args.hub_user != "root":  # root may already run anything as anyone
-            installed = slurmhub.install_sudoers(rule, slurmhub.sudoers_name(folder))
-            (folder / "sudoers-installed.txt").write_text(f"{installed}\n")
+            installed = accounts.install_sudoers(rule, accounts.sudoers_name(folder))
+            with open(folder / "sudoers-installed.txt", "a") as f:
+                f.write(f"{installed}\n")
     from ddplab.course.classroom_readme import readme
 
     (folder / "README.md").write_text(readme(folder, names, per, args))
@@ -207,7 +223,7 @@ def _fill(folder: pathlib.Path, names: list[str], proxy: str, per: int, args) ->
         for n in names + [args.instructor]:
             (folder / "homes" / n).mkdir(exist_ok=True)
         return folder, {var: accounts.new_password() for var in hubconfig.PASSWORD_VARS}
-    return folder, safety.make_accounts(folder, names, args.instructor)
+    return folder, safety.make_accounts(folder, names, args.instructor, grader(args), exchange / COURSE_ID)
 
 
 def check_slurm(args) -> None:
@@ -231,7 +247,17 @@ def check_slurm(args) -> None:
                              "`/usr/bin/python3 -m venv /opt/ddplab-venv`), on storage the nodes share")
 
 
-def course_config(course: pathlib.Path, exchange: pathlib.Path) -> str:
+def course_config(course: pathlib.Path, exchange: pathlib.Path, grader: str | None = None,
+                  mem_gib: float = 3.0) -> str:
+    guarded = [
+        "# Each submission runs as the grading account, which can read nothing of the course",
+        "# (ddplab/course/gradebox.py); collect takes a submission only from the learner it names",
+        "# and never one dated in the future (ddplab/course/exchange_guard.py).",
+        "from ddplab.course import gradebox",
+        "",
+        f"gradebox.configure(c, user={grader!r}, memory_gib={max(mem_gib, GRADING_MIN_GIB)!r})",
+        "c.ExchangeFactory.collect = 'ddplab.course.exchange_guard.OwnedCollect'",
+    ] if grader else []
     return "\n".join([
         '"""nbgrader course for a ddplab class; written by `python -m ddplab classroom`."""',
         "from ddplab.course.exercises import configure",
@@ -244,6 +270,7 @@ def course_config(course: pathlib.Path, exchange: pathlib.Path) -> str:
         "# A grader waits up to 40 s on a hung rank before it says so: above nbgrader's 30 s.",
         f"c.Execute.timeout = {CELL_TIMEOUT_S}",
         "# nbgrader autogrades one notebook at a time: one lab's ranks (3-4 processes) at once.",
+        *guarded,
         "",
     ])
 
@@ -289,10 +316,7 @@ def learner_config(exchange: pathlib.Path) -> str:
 def run(args, parser) -> int:
     if args.delete_accounts:
         gone = safety.delete_accounts(pathlib.Path(args.folder))
-        record = pathlib.Path(args.folder) / "sudoers-installed.txt"
-        if record.exists():  # the Slurm class's sudo rule goes with its accounts
-            pathlib.Path(record.read_text().strip()).unlink(missing_ok=True)
-            record.unlink()
+        safety.remove_rules(pathlib.Path(args.folder))  # the class's sudo rules go with its accounts
         print(f"deleted {len(gone)} account(s) and their homes: {' '.join(gone) or '(none recorded)'}")
         return 0
     try:
@@ -312,6 +336,17 @@ def run(args, parser) -> int:
     width = max(map(len, passwords))
     for name, password in passwords.items():
         print(f"  {name:<{width}}  {password}")
+    outside = safety.git_outside()
+    if outside:
+        print(f"\nWARNING: the ddplab checkout's git data ({outside}) lies outside it and stays readable "
+              "by every account, with the solutions in its history: chmod o-rwx it, or install ddplab "
+              "from a plain clone", file=sys.stderr)
+    if args.spawner == "local":
+        from ddplab.course import limits
+
+        print("\nWhat this machine enforces per learner (ddplab/course/limits.py):")
+        for line in limits.describe(args.mem_gib, args.threads):
+            print(f"  - {line}")
     print(f"\nStart the hub as root (it checks passwords and starts each server as its learner):\n"
           f"  cd {folder} && {hub}")
     return 0
