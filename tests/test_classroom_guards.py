@@ -7,6 +7,7 @@ tests/test_classroom_sandbox.py under make test-hub).
   or metadata changes nothing of them in the instructor's notebook.
 - the course config a default class writes makes nbgrader's autograde use the sandbox and the
   guarded collect; the one-account class's does not (it has no grading account).
+- the class says which limits this machine enforces, cgroups or rlimits, each named.
 - the checkout closed to others but for what learners need: the package and labs/exercises
   stay, the solution notebooks, the tests and the git data are closed.
 """
@@ -136,3 +137,19 @@ def test_the_checkout_closes_but_for_what_learners_need(tmp_path):
     (site / "ddplab").mkdir(parents=True)
     assert safety.close_checkout(site) == []  # an installed package: no checkout to close
     assert pathlib.Path(site).stat().st_mode & 0o005 == 0o005
+
+
+def test_the_class_says_which_limits_this_machine_enforces(tmp_path):
+    from ddplab.course import limits
+
+    bare = limits.describe(3.0, 2, base=tmp_path)
+    assert any("NOT per learner: 8 GiB of address space per process (RLIMIT_AS" in line for line in bare)
+    assert any("may outlive their server" in line for line in bare)
+    for controller in limits.CONTROLLERS:
+        (tmp_path / controller).mkdir()
+        (tmp_path / controller / "cgroup.procs").write_text("")
+    full = limits.describe(3.0, 2, base=tmp_path)
+    assert "memory: 3 GiB for all of a learner's processes together (cgroup v1 memory)" in full
+    assert "CPU time: 2 CPU(s) per second per learner (cgroup v1 cpu quota)" in full
+    assert "every process of a learner ends when their server stops (their cgroups)" in full
+    assert not any("RLIMIT" in line for line in full)

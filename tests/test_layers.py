@@ -44,7 +44,8 @@ MODULES = {
     # the front doors: they may use everything below
     9: {"ddplab.notebook": ["", "completion", "ddpcell", "export", "magics", "rankview", "sbatch"],
         "ddplab.course": ["", "accounts", "classroom", "classroom_readme", "exchange_guard", "exercises", "gradebox",
-                          "handouts", "hubconfig", "labsetup", "proxy_guard", "safety", "seats", "slurmhub"],
+                          "handouts", "hubconfig", "labsetup", "limits", "proxy_guard", "safety", "seats",
+                          "slurmhub"],
         "ddplab.cli": ["", "compare", "doctor", "view"],
         "ddplab": ["", "__main__"]},
 }
