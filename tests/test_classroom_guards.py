@@ -8,6 +8,7 @@ tests/test_classroom_sandbox.py under make test-hub).
 - the course config a default class writes makes nbgrader's autograde use the sandbox and the
   guarded collect; the one-account class's does not (it has no grading account).
 - the class says which limits this machine enforces, cgroups or rlimits, each named.
+- the end of a class copies homes with links as links and without opening a FIFO a learner left.
 - the checkout closed to others but for what learners need: the package and labs/exercises
   stay, the solution notebooks, the tests and the git data are closed.
 """
@@ -114,7 +115,7 @@ def test_the_grading_sudo_rule_is_valid_and_names_the_sandbox_only(tmp_path):
 
 def test_the_checkout_closes_but_for_what_learners_need(tmp_path):
     root = tmp_path / "src"
-    for rel in ["pyproject.toml", "ddplab/__init__.py", "labs/00-x.ipynb", "labs/exercises/00-x.ipynb",
+    for rel in ["pyproject.toml", "ddplab/__init__.py", "labs/00-x.ipynb", "labs/exercises/00-x.ipynb", "labs/tour.ipynb",
                 "tests/_exercise_solutions.py", ".git/HEAD", ".venv/bin/python", "ddplab.egg-info/PKG"]:
         (root / rel).parent.mkdir(parents=True, exist_ok=True)
         (root / rel).write_text("x")
@@ -130,6 +131,7 @@ def test_the_checkout_closes_but_for_what_learners_need(tmp_path):
         assert others(rel) == 0, rel
     for rel in ["ddplab", "labs/exercises", ".venv", "ddplab.egg-info"]:
         assert others(rel) == 0o005, rel
+    assert others("labs/tour.ipynb") == 0o004  # not a solution notebook
     assert others("labs") == 0o001
     assert str(root / "labs" / "00-x.ipynb") in closed
     assert safety.close_checkout(root, keep_inside=root / ".venv") == []  # closed stays closed
@@ -153,3 +155,20 @@ def test_the_class_says_which_limits_this_machine_enforces(tmp_path):
     assert "CPU time: 2 CPU(s) per second per learner (cgroup v1 cpu quota)" in full
     assert "every process of a learner ends when their server stops (their cgroups)" in full
     assert not any("RLIMIT" in line for line in full)
+
+
+def test_the_end_of_a_class_copies_homes_without_following_links_or_opening_fifos(tmp_path):
+    from ddplab.course import teardown
+
+    home = tmp_path / "home"
+    (home / ".cache").mkdir(parents=True)
+    (home / "lab.ipynb").write_text("{}")
+    os.mkfifo(home / "trap")  # copying it would block forever
+    (home / "shadow").symlink_to("/etc/shadow")  # copied as a link, never read
+    skipped = teardown.skip(str(home), sorted(os.listdir(home)))
+    assert skipped == {".cache", "trap"}
+    shutil.copytree(home, tmp_path / "saved", symlinks=True, ignore=teardown.skip)
+    assert (tmp_path / "saved" / "shadow").is_symlink() and (tmp_path / "saved" / "lab.ipynb").is_file()
+    me = os.getuid()
+    assert teardown.disown({me}, set(), me, [tmp_path / "saved"]) == 3  # the folder, the notebook, the link
+    assert teardown.setting("INSTRUCTOR = 'teach'\nX = 1\n", "INSTRUCTOR") == "teach"

@@ -318,7 +318,7 @@ def test_a_safe_class_two_learners_on_a_real_hub_sigkill_then_autograde():
             log.close()
             if sys.exc_info()[0] is not None:  # the hub's and the servers' log, before it is deleted
                 print((folder / "hub.log").read_text()[-6000:])
-        room.classroom(folder, "--delete-accounts")  # the accounts, their homes, their processes
+        room.classroom(folder, "--delete-accounts", "--yes")  # the accounts, their homes, their processes
         room.restore_modes(modes)
         shutil.rmtree(base, ignore_errors=True)
     assert not [n for n in [*LEARNERS, INSTRUCTOR, f"{INSTRUCTOR}-grader"] if accounts.exists(n)], "accounts left behind"

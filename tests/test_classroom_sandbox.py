@@ -17,30 +17,43 @@ as their servers' terminals would. Lab 00, two learners:
    nothing was copied, the cells ran as the grading account, the 10 GiB were refused
    (MemoryError: the sandbox's limit), the `sleep` is gone, and the scores are right:
    sbxann full marks, sbxbob 0.
+5. Where cgroup v1 is writable: the hub starts sbxann's server (its API, no browser); the server
+   runs in sbxann's groups with the class's limits; a CPU burner of sbxann's in those groups, in
+   a session of its own, dies when the hub stops the server, and the groups go with it.
+6. --delete-accounts refuses without --yes (no terminal to ask); with it, sbxbob's home is
+   saved under course/saved-homes/ and no file in the class folder or /tmp keeps a deleted
+   account's uid or gid.
 
 Runs under make test-hub as root, from an environment other accounts can run (.venv-hub).
 """
 import datetime
+import json
 import os
 import pwd
+import re
 import shutil
+import signal
+import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from pathlib import Path
 
 import _classroom as room
 import nbformat
 import psutil
 import pytest
+from _browser import free_port
 
-from ddplab.course import accounts
+from ddplab.course import accounts, limits
 
 pytestmark = [pytest.mark.slow, pytest.mark.hub, pytest.mark.skipif(
     not os.environ.get("DDPLAB_HUB_TEST"), reason="runs under make test-hub (DDPLAB_HUB_TEST=1)")]
 LEARNERS = ("sbxann", "sbxbob")
 INSTRUCTOR, GRADER = "sbxteach", "sbxteach-grader"
 LAB = room.LAB
+PROXY = room.ROOT / "proxy" / "node_modules" / ".bin" / "configurable-http-proxy"
 EXFIL = """import glob, os, shutil
 os.makedirs({dest!r}, exist_ok=True)
 for path in glob.glob({course!r} + '/source/*/*.ipynb') + [{course!r} + '/gradebook.db', *{paths!r}]:
@@ -115,7 +128,8 @@ def test_graded_as_nobody_collected_only_from_its_owner_exchange_the_instructors
         roster = base / "roster.txt"
         roster.write_text("\n".join(LEARNERS) + "\n")
         out = room.classroom(folder, "--roster", str(roster), "--instructor", INSTRUCTOR, "--cpu-only",
-                             "--threads", "1", "--proxy", sys.executable)
+                             "--threads", "1", "--port", str(free_port()),
+                             "--proxy", str(PROXY) if PROXY.exists() else sys.executable)
         assert out.returncode == 0, out.stderr
         course, exchange_course = folder / "course", folder / "exchange" / "ddplab"
         # 1. the checkout as a learner reads it
@@ -186,10 +200,96 @@ def test_graded_as_nobody_collected_only_from_its_owner_exchange_the_instructors
         scores = room.scores(course, list(LEARNERS))
         assert scores == {"sbxann": float(sum(room.points().values())), "sbxbob": 0.0}, scores
         assert not list((folder / "homes" / GRADER).glob("grading-*")), "the scratch folder was left"
+        # 5. a learner's server in their cgroups, and nothing of theirs left when it stops
+        if set(limits.writable()) == set(limits.CONTROLLERS) and PROXY.exists():
+            burner_dies_with_the_server(folder, "sbxann")
+        # 6. the end of the class: asked first, homes saved, no file left to a freed uid
+        uids = {pwd.getpwnam(n).pw_uid for n in [*LEARNERS, INSTRUCTOR, GRADER]}
+        gids = {pwd.getpwnam(n).pw_gid for n in [*LEARNERS, INSTRUCTOR, GRADER]}
+        asked = room.classroom(folder, "--delete-accounts")
+        assert asked.returncode != 0 and "add --yes to confirm" in asked.stderr, asked.stderr
+        assert accounts.exists("sbxann")
+        done = room.classroom(folder, "--delete-accounts", "--yes")
+        assert done.returncode == 0, done.stderr
+        saved = course / "saved-homes" / "sbxbob" / LAB / f"{LAB}.ipynb"
+        assert "6011" in saved.read_text(), "sbxbob's own notebook was not saved"
+        owned = [str(p) for p in [folder, dest, *folder.rglob("*"), *dest.rglob("*")]
+                 if p.lstat().st_uid in uids or p.lstat().st_gid in gids]
+        assert not owned, f"files left to deleted accounts' ids: {owned[:5]}"
+        assert dest.stat().st_uid == 0  # the grading account's folder in /tmp: root's now
+        assert not list(limits.BASE.glob(f"*/ddplab/{limits.class_name(folder)}")), "the class's cgroups were left"
     finally:
-        room.classroom(folder, "--delete-accounts")
+        room.classroom(folder, "--delete-accounts", "--yes")
         room.restore_modes(modes)
         shutil.rmtree(base, ignore_errors=True)
         shutil.rmtree(dest, ignore_errors=True)
     assert not [n for n in [*LEARNERS, INSTRUCTOR, GRADER] if accounts.exists(n)], "accounts left behind"
     assert not list(Path("/etc/sudoers.d").glob("ddplab-*ddplab-sandbox-test-*")), "a sudo rule left behind"
+
+
+def burner_dies_with_the_server(folder, user):
+    """The hub (started here, no browser) starts ``user``'s server; a burner joins it; the hub stops it."""
+    token = "sbx" + os.urandom(8).hex()
+    config = folder / "jupyterhub_config.py"
+    port = free_port()
+    text = re.sub(r"c.JupyterHub.port = \d+", f"c.JupyterHub.port = {port}", config.read_text())
+    config.write_text(text + f"\nc.JupyterHub.services.append({{'name': 'test', 'api_token': {token!r}}})\n"
+                      "c.JupyterHub.load_roles.append({'name': 'test', 'scopes': ['admin:servers', "
+                      "'read:users', 'list:users'], 'services': ['test']})\n")
+
+    def api(path, method="GET"):
+        req = urllib.request.Request(f"http://127.0.0.1:{port}/hub/api{path}", method=method,
+                                     headers={"Authorization": f"token {token}"})
+        with urllib.request.urlopen(req, timeout=30) as r:
+            body = r.read()
+            return json.loads(body) if body else None
+
+    def until(predicate, timeout_s, what):
+        end = time.monotonic() + timeout_s
+        while time.monotonic() < end:
+            try:
+                if predicate():
+                    return
+            except OSError:
+                pass
+            time.sleep(0.5)
+        pytest.fail(f"{what}:\n{(folder / 'hub.log').read_text()[-3000:]}")
+
+    cls, uid = limits.class_name(folder), pwd.getpwnam(user).pw_uid
+    with open(folder / "hub.log", "w") as log:
+        hub = subprocess.Popen([sys.executable, "-m", "jupyterhub", "-f", "jupyterhub_config.py"], cwd=folder,
+                               env=room.env(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    burner = None
+    try:
+        until(lambda: api("/users") is not None, 120, "the hub did not answer")
+        api(f"/users/{user}/server", "POST")
+        until(lambda: api(f"/users/{user}")["servers"].get("", {}).get("ready"), 180, "the server did not start")
+        members = limits.members(cls, user)
+        assert members and set(accounts.processes_of(uid)) <= members, (members, accounts.processes_of(uid))
+        memory = limits.BASE / "memory" / "ddplab" / cls / user / "memory.limit_in_bytes"
+        assert int(memory.read_text()) == 3 << 30  # --mem-gib's default
+
+        def learners_own():  # as a nohup'ed cell would be: in their groups, a session of its own
+            limits.join(cls, user)
+            os.setsid()
+            os.setgid(uid)
+            os.setuid(uid)
+
+        burner = subprocess.Popen(["sh", "-c", "while :; do :; done"], preexec_fn=learners_own)
+        until(lambda: burner.pid in limits.members(cls, user), 10, "the burner is not in the groups")
+        api(f"/users/{user}/server", "DELETE")
+        until(lambda: burner.poll() is not None, 60, "the burner outlived the server")
+        assert not [g for g in limits.groups(cls, user) if g.exists()], "the learner's groups were left"
+    finally:
+        if burner is not None and burner.poll() is None:
+            burner.kill()
+        hub.send_signal(signal.SIGTERM)
+        try:
+            hub.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            pass
+        try:
+            os.killpg(hub.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        hub.wait(timeout=10)

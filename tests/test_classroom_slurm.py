@@ -239,7 +239,7 @@ def test_two_learners_servers_are_slurm_jobs_culled_and_cancelled():
         if slurm.procs:
             for user in LEARNERS:  # jobs of a failed run
                 slurm.run(["scancel", "--user", user], check=False, timeout=20)
-        subprocess.run([sys.executable, "-m", "ddplab", "classroom", str(folder), "--delete-accounts"],
+        subprocess.run([sys.executable, "-m", "ddplab", "classroom", str(folder), "--delete-accounts", "--yes"],
                        capture_output=True, text=True, env=room.env(), timeout=120)
         strays = slurm.stop()
         room.restore_modes(modes)

@@ -45,7 +45,7 @@ MODULES = {
     9: {"ddplab.notebook": ["", "completion", "ddpcell", "export", "magics", "rankview", "sbatch"],
         "ddplab.course": ["", "accounts", "classroom", "classroom_readme", "exchange_guard", "exercises", "gradebox",
                           "handouts", "hubconfig", "labsetup", "limits", "proxy_guard", "safety", "seats",
-                          "slurmhub"],
+                          "slurmhub", "teardown"],
         "ddplab.cli": ["", "compare", "doctor", "view"],
         "ddplab": ["", "__main__"]},
 }

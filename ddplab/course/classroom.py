@@ -57,7 +57,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     who.add_argument("--learners", type=int, help="this many learners, named learner01, learner02, ...")
     who.add_argument("--roster", help="a file with one learner name per line")
     who.add_argument("--delete-accounts", action="store_true",
-                     help="delete the Unix accounts (and homes) this command created for FOLDER's class")
+                     help="delete the Unix accounts (and homes) this command created for FOLDER's class, "
+                          "after saving each learner's home to FOLDER/course/saved-homes/ (asks first)")
+    p.add_argument("--yes", action="store_true", help="with --delete-accounts: do not ask")
     p.add_argument("--instructor", default="instructor",
                    help="the hub admin's name; an existing account of that name is used as it is, "
                         "else one is created [instructor]")
@@ -313,12 +315,36 @@ def learner_config(exchange: pathlib.Path) -> str:
     ])
 
 
+def delete(args, parser) -> int:
+    """--delete-accounts: asks (or takes --yes), saves the learners' homes, deletes, disowns."""
+    from ddplab.course import teardown
+
+    folder = pathlib.Path(args.folder)
+    names = teardown.recorded(folder)
+    if not names:
+        print(f"no accounts recorded for {folder} (accounts.txt): nothing deleted")
+        safety.remove_rules(folder)
+        return 0
+    question = (f"delete {len(names)} account(s) and their homes ({' '.join(names)})? Each learner's "
+                f"home is first copied to {folder / 'course' / 'saved-homes'}")
+    if not args.yes:
+        if not sys.stdin.isatty():
+            parser.error(f"--delete-accounts would {question}: add --yes to confirm")
+        if input(f"{question[0].upper()}{question[1:]}. [y/N] ").strip().lower() not in ("y", "yes"):
+            print("nothing deleted")
+            return 1
+    done = teardown.end_class(folder)
+    if done["saved"]:
+        print(f"saved the homes of {len(done['learners'])} learner(s) to {done['saved']} ({done['owner']}'s)")
+    print(f"deleted {len(done['deleted'])} account(s) and their homes: {' '.join(done['deleted'])}")
+    print(f"{done['disowned']} file(s) still owned by a deleted account given to {done['owner']} (the class "
+          "folder, the exchange, /tmp, /var/tmp, /dev/shm): a later account with the same uid owns none")
+    return 0
+
+
 def run(args, parser) -> int:
     if args.delete_accounts:
-        gone = safety.delete_accounts(pathlib.Path(args.folder))
-        safety.remove_rules(pathlib.Path(args.folder))  # the class's sudo rules go with its accounts
-        print(f"deleted {len(gone)} account(s) and their homes: {' '.join(gone) or '(none recorded)'}")
-        return 0
+        return delete(args, parser)
     try:
         folder, passwords = write(args)
     except (ValueError, accounts.AccountError) as e:

@@ -222,6 +222,9 @@ def grade(request: dict) -> str:
                        **request.get("env", {})})
     limit(request["memory_bytes"])
     scratch = pathlib.Path(tempfile.mkdtemp(prefix="grading-", dir=me.pw_dir))
+    # torchrun's and torch's temporary files too: into the scratch folder, removed with it
+    os.environ["TMPDIR"] = str(scratch)
+    tempfile.tempdir = None
     try:
         return execute(request["notebook"], scratch, request["timeout"])
     finally:

@@ -150,6 +150,17 @@ def end(cls: str, user: str, base: pathlib.Path = BASE, wait_s: float = 10.0) ->
     return left
 
 
+def remove_class(cls: str, base: pathlib.Path = BASE) -> None:
+    """The class's empty groups removed (the end of the class), and ddplab's if no class is left."""
+    for controller in CONTROLLERS:
+        top = base / controller / "ddplab"
+        for group in [*(top / cls).glob("*/"), top / cls, top]:
+            try:
+                group.rmdir()
+            except OSError:
+                pass  # absent, or still holding another class or a process
+
+
 def rlimits(memory_bytes: int) -> None:
     """Where no cgroup is writable: per-process address space and per-account processes (set as
     root before the switch of account: the learner cannot raise them again)."""

@@ -111,8 +111,9 @@ def make_accounts(folder: pathlib.Path, names: list[str], instructor: str, grade
     return passwords
 
 
-# What a learner's account needs of the ddplab checkout: the package, the exercise notebooks
-# (labs/exercises/), the proxy and the package's metadata; the environment if it lives inside.
+# What a learner's account needs of the ddplab checkout: the package, labs/ but its solution
+# notebooks (labs/exercises/, the tour), the proxy and the package's metadata; the environment
+# if it lives inside.
 LEARNERS_NEED = {"ddplab", "labs", "proxy"}
 
 
@@ -146,9 +147,8 @@ def close_checkout(root: pathlib.Path = ROOT, keep_inside: pathlib.Path = pathli
     labs = root / "labs"
     if labs.is_dir():
         close(labs, 0o004)
-        for entry in sorted(labs.iterdir()):
-            if entry.name != "exercises":
-                close(entry, 0o007)
+        for entry in sorted(labs.glob("[0-9][0-9]-*")):  # the solution notebooks (NN-topic.ipynb)
+            close(entry, 0o007)
     return closed
 
 
