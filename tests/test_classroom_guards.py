@@ -8,6 +8,7 @@ tests/test_classroom_sandbox.py under make test-hub).
 - the course config a default class writes makes nbgrader's autograde use the sandbox and the
   guarded collect; the one-account class's does not (it has no grading account).
 - the class says which limits this machine enforces, cgroups or rlimits, each named.
+- the passwords file: 0600, a new file only.
 - the end of a class copies homes with links as links and without opening a FIFO a learner left.
 - the checkout closed to others but for what learners need: the package and labs/exercises
   stay, the solution notebooks, the tests and the git data are closed.
@@ -172,3 +173,16 @@ def test_the_end_of_a_class_copies_homes_without_following_links_or_opening_fifo
     me = os.getuid()
     assert teardown.disown({me}, set(), me, [tmp_path / "saved"]) == 3  # the folder, the notebook, the link
     assert teardown.setting("INSTRUCTOR = 'teach'\nX = 1\n", "INSTRUCTOR") == "teach"
+
+
+@pytest.mark.more  # a classroom command (about 10 s here)
+def test_the_passwords_file_is_its_owners_only_and_never_overwritten(tmp_path):
+    out = room.classroom(tmp_path / "class", "--learners", "2", "--trusted-class", "--cpu-only", "--proxy",
+                         shutil.which("true") or "/bin/true", "--passwords-file", str(tmp_path / "pw"))
+    assert out.returncode == 0, out.stderr
+    assert (tmp_path / "pw").stat().st_mode & 0o777 == 0o600
+    lines = (tmp_path / "pw").read_text().splitlines()
+    assert len(lines) == 2 and all(v in out.stdout for line in lines for v in line.split()[1:])
+    with pytest.raises(FileExistsError):
+        classroom.write_private(tmp_path / "pw", "x")
+    assert len((tmp_path / "pw").read_text().splitlines()) == 2

@@ -34,6 +34,7 @@ from __future__ import annotations
 import argparse
 import csv
 import json
+import os
 import pathlib
 import re
 import shutil
@@ -60,6 +61,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                      help="delete the Unix accounts (and homes) this command created for FOLDER's class, "
                           "after saving each learner's home to FOLDER/course/saved-homes/ (asks first)")
     p.add_argument("--yes", action="store_true", help="with --delete-accounts: do not ask")
+    p.add_argument("--passwords-file", default=None,
+                   help="also write the passwords to this new file, readable by its owner only (0600); "
+                        "a `| tee` would leave them readable by every account")
     p.add_argument("--instructor", default="instructor",
                    help="the hub admin's name; an existing account of that name is used as it is, "
                         "else one is created [instructor]")
@@ -315,6 +319,13 @@ def learner_config(exchange: pathlib.Path) -> str:
     ])
 
 
+def write_private(path: pathlib.Path, text: str) -> None:
+    """A new file only its owner can read: created 0600, never an existing file overwritten."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+
+
 def delete(args, parser) -> int:
     """--delete-accounts: asks (or takes --yes), saves the learners' homes, deletes, disowns."""
     from ddplab.course import teardown
@@ -345,12 +356,17 @@ def delete(args, parser) -> int:
 def run(args, parser) -> int:
     if args.delete_accounts:
         return delete(args, parser)
+    if args.passwords_file and os.path.lexists(args.passwords_file):
+        parser.error(f"{args.passwords_file} exists: --passwords-file writes a new file only")
     try:
         folder, passwords = write(args)
     except (ValueError, accounts.AccountError) as e:
         parser.error(str(e))
     hub = f"{sys.executable} -m jupyterhub -f jupyterhub_config.py"
     print(f"wrote {folder}: read {folder / 'README.md'}")
+    if args.passwords_file:
+        write_private(pathlib.Path(args.passwords_file), "".join(f"{k} {v}\n" for k, v in passwords.items()))
+        print(f"the passwords are also in {args.passwords_file} (0600): hand them out, then delete it")
     if args.trusted_class:
         print("\nUNSAFE one-account class (--trusted-class): every learner can read the solutions,\n"
               "the gradebook and each other's work. The passwords below are shown once:\n"
