@@ -17,8 +17,8 @@ as their servers' terminals would. Lab 00, two learners:
    nothing was copied, the cells ran as the grading account, the 10 GiB were refused
    (MemoryError: the sandbox's limit), the `sleep` is gone, and the scores are right:
    sbxann full marks, sbxbob 0.
-5. Where cgroup v1 is writable: the hub starts sbxann's server (its API, no browser); the server
-   runs in sbxann's groups with the class's limits; a CPU burner of sbxann's in those groups, in
+5. Where cgroup v1 is writable: the hub starts sbxann's server (its API, no browser), which
+   serves no Formgrader (404); the server runs in sbxann's groups with the class's limits; a CPU burner of sbxann's in those groups, in
    a session of its own, dies when the hub stops the server, and the groups go with it.
 6. --delete-accounts refuses without --yes (no terminal to ask); with it, sbxbob's home is
    saved under course/saved-homes/ and no file in the class folder or /tmp keeps a deleted
@@ -37,6 +37,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -235,7 +236,7 @@ def burner_dies_with_the_server(folder, user):
     text = re.sub(r"c.JupyterHub.port = \d+", f"c.JupyterHub.port = {port}", config.read_text())
     config.write_text(text + f"\nc.JupyterHub.services.append({{'name': 'test', 'api_token': {token!r}}})\n"
                       "c.JupyterHub.load_roles.append({'name': 'test', 'scopes': ['admin:servers', "
-                      "'read:users', 'list:users'], 'services': ['test']})\n")
+                      "'read:users', 'list:users', 'access:servers'], 'services': ['test']})\n")
 
     def api(path, method="GET"):
         req = urllib.request.Request(f"http://127.0.0.1:{port}/hub/api{path}", method=method,
@@ -266,6 +267,14 @@ def burner_dies_with_the_server(folder, user):
         until(lambda: api(f"/users/{user}")["servers"].get("", {}).get("ready"), 180, "the server did not start")
         members = limits.members(cls, user)
         assert members and set(accounts.processes_of(uid)) <= members, (members, accounts.processes_of(uid))
+        lab = urllib.request.Request(f"http://127.0.0.1:{port}/user/{user}/api/status",
+                                     headers={"Authorization": f"token {token}"})
+        with urllib.request.urlopen(lab, timeout=30) as r:
+            assert r.status == 200  # the learner's server answers the token ...
+        lab.full_url = f"http://127.0.0.1:{port}/user/{user}/formgrader"
+        with pytest.raises(urllib.error.HTTPError) as no:
+            urllib.request.urlopen(lab, timeout=30)
+        assert no.value.code == 404  # ... but serves no Formgrader to a learner
         memory = limits.BASE / "memory" / "ddplab" / cls / user / "memory.limit_in_bytes"
         assert int(memory.read_text()) == 3 << 30  # --mem-gib's default
 

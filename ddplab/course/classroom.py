@@ -287,11 +287,17 @@ LEARNER_HIDDEN = ["@jupyter/nbgrader:formgrader", "@jupyter/nbgrader:course-list
                   "@jupyter/nbgrader:create-assignment", "@jupyterlab/apputils-extension:announcements"]
 
 
+LEARNER_SERVER_OFF = ["nbgrader.server_extensions.formgrader", "nbgrader.server_extensions.course_list"]
+
+
 def write_learner_config(config: pathlib.Path, exchange: pathlib.Path) -> None:
     """learner-config/: read by every learner's server (JUPYTER_CONFIG_PATH), written by root."""
     (config / "nbgrader_config.py").write_text(learner_config(exchange))
     (config / "labconfig" / "page_config.json").write_text(
         json.dumps({"disabledExtensions": dict.fromkeys(LEARNER_HIDDEN, True)}, indent=1) + "\n")
+    # ... and the server parts behind them: /user/<learner>/formgrader answers 404
+    (config / "jupyter_server_config.json").write_text(json.dumps(
+        {"ServerApp": {"jpserver_extensions": dict.fromkeys(LEARNER_SERVER_OFF, False)}}, indent=1) + "\n")
     for path in [config, config / "labconfig"]:
         path.chmod(0o755)
 
