@@ -109,7 +109,8 @@ test-hub: $(STAMP)
 	test -x $(HUB_VENV)/bin/python || $(HUB_PYTHON) -m venv $(HUB_VENV)
 	$(HUB_VENV)/bin/python -m pip install --quiet -c constraints.txt -e '.[lab,test,browser,classroom]'
 	npm ci --prefix proxy --no-audit --no-fund
-	DDPLAB_HUB_TEST=1 $(HUB_SUDO) $(HUB_VENV)/bin/python -m pytest -q -p no:cacheprovider tests/course/test_classroom_hub.py
+	DDPLAB_HUB_TEST=1 $(HUB_SUDO) $(HUB_VENV)/bin/python -m pytest -q -p no:cacheprovider tests/course/test_classroom_hub.py \
+	  tests/course/test_classroom_sandbox.py tests/course/test_classroom_limits.py
 	DDPLAB_HUB_TEST=1 $(PY) -m pytest -q tests/course/test_classroom_grading.py tests/course/test_classroom_exchange.py
 
 # A real Slurm (Debian's slurm-wlm and munge, apt-installed when missing; root): munged,

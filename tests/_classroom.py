@@ -137,5 +137,18 @@ def errors_outside_graders(course: Path, student: str, lab: str = LAB) -> list[s
             for out in cell.get("outputs", []) if out.get("output_type") == "error"]
 
 
+def checkout_modes() -> dict:
+    """The modes a default class changes in the ddplab checkout (it closes the answers to other
+    accounts), to put back after a test: the checkout, its entries and labs/'s entries."""
+    paths = [ROOT, *ROOT.iterdir(), *(ROOT / "labs").iterdir()]
+    return {p: p.lstat().st_mode & 0o7777 for p in paths if not p.is_symlink()}
+
+
+def restore_modes(modes: dict) -> None:
+    for path, mode in modes.items():
+        if path.exists():
+            path.chmod(mode)
+
+
 def remove(folder: Path) -> None:
     shutil.rmtree(folder, ignore_errors=True)

@@ -34,6 +34,7 @@ from __future__ import annotations
 import argparse
 import csv
 import json
+import os
 import pathlib
 import re
 import shutil
@@ -45,6 +46,9 @@ COURSE_ID = "ddplab"
 NAME = re.compile(r"^[a-z][a-z0-9_-]{0,31}$")
 # Above the 40 s a grader may wait on a hung rank; nbgrader's default is 30 s per cell.
 CELL_TIMEOUT_S = 120
+# The grading sandbox limits each process's address space; torch with gloo reserves far more
+# than it touches, so less than this fails lab 00's import before any learner code runs.
+GRADING_MIN_GIB = 8.0
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -54,10 +58,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     who.add_argument("--learners", type=int, help="this many learners, named learner01, learner02, ...")
     who.add_argument("--roster", help="a file with one learner name per line")
     who.add_argument("--delete-accounts", action="store_true",
-                     help="delete the Unix accounts (and homes) this command created for FOLDER's class")
+                     help="delete the Unix accounts (and homes) this command created for FOLDER's class, "
+                          "after saving each learner's home to FOLDER/course/saved-homes/ (asks first)")
+    p.add_argument("--yes", action="store_true", help="with --delete-accounts: do not ask")
+    p.add_argument("--passwords-file", default=None,
+                   help="also write the passwords to this new file, readable by its owner only (0600); "
+                        "a `| tee` would leave them readable by every account")
     p.add_argument("--instructor", default="instructor",
                    help="the hub admin's name; an existing account of that name is used as it is, "
                         "else one is created [instructor]")
+    p.add_argument("--grader", default=None,
+                   help="the grading account autograde runs submissions as (created, no password, no "
+                        "rights) [INSTRUCTOR-grader]")
     p.add_argument("--trusted-class", action="store_true",
                    help="UNSAFE: no Unix accounts; every learner's server runs as the hub's user, so "
                         "every learner can read the solutions, the gradebook and each other's work")
@@ -66,7 +78,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cpu-only", action="store_true", help="no GPUs for anyone (gloo on CPU)")
     p.add_argument("--threads", type=int, default=2, help="CPUs per learner (affinity) [2]")
     p.add_argument("--mem-gib", type=float, default=3.0,
-                   help="memory per learner, enforced by the systemd spawner only [3]")
+                   help="memory per learner, enforced by the systemd spawner, or by the local spawner "
+                        "where cgroup v1 is writable (the command says which) [3]")
     p.add_argument("--spawner", choices=hubconfig.SPAWNERS, default="local")
     p.add_argument("--ip", default="127.0.0.1",
                    help="where the proxy listens for browsers [127.0.0.1]; another address needs "
@@ -127,6 +140,13 @@ def find_proxy(given: str | None) -> str:
     return str(pathlib.Path(path).resolve())
 
 
+def grader(args) -> str:
+    name = args.grader or f"{args.instructor}-grader"
+    if not NAME.match(name):
+        raise ValueError(f"the grading account's name {name!r} is not a valid account name: pass --grader NAME")
+    return name
+
+
 def gpus_per_learner(args) -> int:
     if args.cpu_only:
         return 0
@@ -155,7 +175,7 @@ def write(args) -> tuple[pathlib.Path, dict]:
         raise ValueError("--threads must be at least 1")
     safety.check_network(args)
     if not args.trusted_class:
-        safety.check_accounts(names, args.instructor)
+        safety.check_accounts(names, args.instructor, grader(args))
     folder.mkdir(parents=True, exist_ok=True)
     folder.chmod(0o755)
     try:
@@ -183,7 +203,8 @@ def _fill(folder: pathlib.Path, names: list[str], proxy: str, per: int, args) ->
         w = csv.writer(f)
         w.writerow(["id"])
         w.writerows([n] for n in names)
-    (course / "nbgrader_config.py").write_text(course_config(course, exchange))
+    (course / "nbgrader_config.py").write_text(course_config(
+        course, exchange, None if args.trusted_class else grader(args), args.mem_gib))
     write_learner_config(folder / "learner-config", exchange)
     (folder / "jupyterhub_config.py").write_text(hubconfig.render(
         folder=str(folder), learners=names, admin=args.instructor, gpus_per_learner=per,
@@ -198,8 +219,9 @@ def _fill(folder: pathlib.Path, names: list[str], proxy: str, per: int, args) ->
         rule = slurmhub.sudoers(args.hub_user, names)
         (folder / "sudoers").write_text(rule)
         if args.hub_user != "root":  # root may already run anything as anyone
-            installed = slurmhub.install_sudoers(rule, slurmhub.sudoers_name(folder))
-            (folder / "sudoers-installed.txt").write_text(f"{installed}\n")
+            installed = accounts.install_sudoers(rule, accounts.sudoers_name(folder))
+            with open(folder / "sudoers-installed.txt", "a") as f:
+                f.write(f"{installed}\n")
     from ddplab.course.classroom_readme import readme
 
     (folder / "README.md").write_text(readme(folder, names, per, args))
@@ -207,7 +229,7 @@ def _fill(folder: pathlib.Path, names: list[str], proxy: str, per: int, args) ->
         for n in names + [args.instructor]:
             (folder / "homes" / n).mkdir(exist_ok=True)
         return folder, {var: accounts.new_password() for var in hubconfig.PASSWORD_VARS}
-    return folder, safety.make_accounts(folder, names, args.instructor)
+    return folder, safety.make_accounts(folder, names, args.instructor, grader(args), exchange / COURSE_ID)
 
 
 def check_slurm(args) -> None:
@@ -231,7 +253,17 @@ def check_slurm(args) -> None:
                              "`/usr/bin/python3 -m venv /opt/ddplab-venv`), on storage the nodes share")
 
 
-def course_config(course: pathlib.Path, exchange: pathlib.Path) -> str:
+def course_config(course: pathlib.Path, exchange: pathlib.Path, grader: str | None = None,
+                  mem_gib: float = 3.0) -> str:
+    guarded = [
+        "# Each submission runs as the grading account, which can read nothing of the course",
+        "# (ddplab/course/gradebox.py); collect takes a submission only from the learner it names",
+        "# and never one dated in the future (ddplab/course/exchange_guard.py).",
+        "from ddplab.course import gradebox",
+        "",
+        f"gradebox.configure(c, user={grader!r}, memory_gib={max(mem_gib, GRADING_MIN_GIB)!r})",
+        "c.ExchangeFactory.collect = 'ddplab.course.exchange_guard.OwnedCollect'",
+    ] if grader else []
     return "\n".join([
         '"""nbgrader course for a ddplab class; written by `python -m ddplab classroom`."""',
         "from ddplab.course.exercises import configure",
@@ -244,6 +276,7 @@ def course_config(course: pathlib.Path, exchange: pathlib.Path) -> str:
         "# A grader waits up to 40 s on a hung rank before it says so: above nbgrader's 30 s.",
         f"c.Execute.timeout = {CELL_TIMEOUT_S}",
         "# nbgrader autogrades one notebook at a time: one lab's ranks (3-4 processes) at once.",
+        *guarded,
         "",
     ])
 
@@ -254,11 +287,17 @@ LEARNER_HIDDEN = ["@jupyter/nbgrader:formgrader", "@jupyter/nbgrader:course-list
                   "@jupyter/nbgrader:create-assignment", "@jupyterlab/apputils-extension:announcements"]
 
 
+LEARNER_SERVER_OFF = ["nbgrader.server_extensions.formgrader", "nbgrader.server_extensions.course_list"]
+
+
 def write_learner_config(config: pathlib.Path, exchange: pathlib.Path) -> None:
     """learner-config/: read by every learner's server (JUPYTER_CONFIG_PATH), written by root."""
     (config / "nbgrader_config.py").write_text(learner_config(exchange))
     (config / "labconfig" / "page_config.json").write_text(
         json.dumps({"disabledExtensions": dict.fromkeys(LEARNER_HIDDEN, True)}, indent=1) + "\n")
+    # ... and the server parts behind them: /user/<learner>/formgrader answers 404
+    (config / "jupyter_server_config.json").write_text(json.dumps(
+        {"ServerApp": {"jpserver_extensions": dict.fromkeys(LEARNER_SERVER_OFF, False)}}, indent=1) + "\n")
     for path in [config, config / "labconfig"]:
         path.chmod(0o755)
 
@@ -286,21 +325,54 @@ def learner_config(exchange: pathlib.Path) -> str:
     ])
 
 
+def write_private(path: pathlib.Path, text: str) -> None:
+    """A new file only its owner can read: created 0600, never an existing file overwritten."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+
+
+def delete(args, parser) -> int:
+    """--delete-accounts: asks (or takes --yes), saves the learners' homes, deletes, disowns."""
+    from ddplab.course import teardown
+
+    folder = pathlib.Path(args.folder)
+    names = teardown.recorded(folder)
+    if not names:
+        print(f"no accounts recorded for {folder} (accounts.txt): nothing deleted")
+        safety.remove_rules(folder)
+        return 0
+    question = (f"delete {len(names)} account(s) and their homes ({' '.join(names)})? Each learner's "
+                f"home is first copied to {folder / 'course' / 'saved-homes'}")
+    if not args.yes:
+        if not sys.stdin.isatty():
+            parser.error(f"--delete-accounts would {question}: add --yes to confirm")
+        if input(f"{question[0].upper()}{question[1:]}. [y/N] ").strip().lower() not in ("y", "yes"):
+            print("nothing deleted")
+            return 1
+    done = teardown.end_class(folder)
+    if done["saved"]:
+        print(f"saved the homes of {len(done['learners'])} learner(s) to {done['saved']} ({done['owner']}'s)")
+    print(f"deleted {len(done['deleted'])} account(s) and their homes: {' '.join(done['deleted'])}")
+    print(f"{done['disowned']} file(s) still owned by a deleted account given to {done['owner']} (the class "
+          "folder, the exchange, /tmp, /var/tmp, /dev/shm): a later account with the same uid owns none")
+    return 0
+
+
 def run(args, parser) -> int:
     if args.delete_accounts:
-        gone = safety.delete_accounts(pathlib.Path(args.folder))
-        record = pathlib.Path(args.folder) / "sudoers-installed.txt"
-        if record.exists():  # the Slurm class's sudo rule goes with its accounts
-            pathlib.Path(record.read_text().strip()).unlink(missing_ok=True)
-            record.unlink()
-        print(f"deleted {len(gone)} account(s) and their homes: {' '.join(gone) or '(none recorded)'}")
-        return 0
+        return delete(args, parser)
+    if args.passwords_file and os.path.lexists(args.passwords_file):
+        parser.error(f"{args.passwords_file} exists: --passwords-file writes a new file only")
     try:
         folder, passwords = write(args)
     except (ValueError, accounts.AccountError) as e:
         parser.error(str(e))
     hub = f"{sys.executable} -m jupyterhub -f jupyterhub_config.py"
     print(f"wrote {folder}: read {folder / 'README.md'}")
+    if args.passwords_file:
+        write_private(pathlib.Path(args.passwords_file), "".join(f"{k} {v}\n" for k, v in passwords.items()))
+        print(f"the passwords are also in {args.passwords_file} (0600): hand them out, then delete it")
     if args.trusted_class:
         print("\nUNSAFE one-account class (--trusted-class): every learner can read the solutions,\n"
               "the gradebook and each other's work. The passwords below are shown once:\n"
@@ -312,6 +384,17 @@ def run(args, parser) -> int:
     width = max(map(len, passwords))
     for name, password in passwords.items():
         print(f"  {name:<{width}}  {password}")
+    outside = safety.git_outside()
+    if outside:
+        print(f"\nWARNING: the ddplab checkout's git data ({outside}) lies outside it and stays readable "
+              "by every account, with the solutions in its history: chmod o-rwx it, or install ddplab "
+              "from a plain clone", file=sys.stderr)
+    if args.spawner == "local":
+        from ddplab.course import limits
+
+        print("\nWhat this machine enforces per learner (ddplab/course/limits.py):")
+        for line in limits.describe(args.mem_gib, args.threads):
+            print(f"  - {line}")
     print(f"\nStart the hub as root (it checks passwords and starts each server as its learner):\n"
           f"  cd {folder} && {hub}")
     return 0

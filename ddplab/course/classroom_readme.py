@@ -72,5 +72,5 @@ size").
 
 ## After the class
 
-    sudo {py} -m ddplab classroom {folder} --delete-accounts   # the accounts and their homes
+    sudo {py} -m ddplab classroom {folder} --delete-accounts   # asks, saves homes to course/saved-homes/, deletes
 """

@@ -107,10 +107,17 @@ def render(*, folder: str, learners: list[str], admin: str, gpus_per_learner: in
         lines += [
             "# Each learner is a Unix account with its own password (ddplab/course/accounts.py);",
             "# PAM checks it against /etc/shadow, where only its hash is kept.",
-            "from ddplab.course.accounts import check_logins",
+            "from ddplab.course.accounts import AccountError, check_logins",
             "from jupyterhub.auth import PAMAuthenticator",
             "",
-            "check_logins(LEARNERS + [INSTRUCTOR])  # refuses to start if one has no password",
+            "try:  # refuses to start if one has no password: one line saying so, not a traceback",
+            "    check_logins(LEARNERS + [INSTRUCTOR])",
+            "except AccountError as e:",
+            "    raise SystemExit(f'the class cannot start: {e}') from None",
+            "if os.geteuid() == 0:  # the checkout's answers closed to learners again (a git pull opens them)",
+            "    from ddplab.course.safety import close_checkout",
+            "",
+            "    close_checkout()",
             "",
             "",
             "class ClassAuthenticator(PAMAuthenticator):",
@@ -139,22 +146,18 @@ def render(*, folder: str, learners: list[str], admin: str, gpus_per_learner: in
         "    # the environment's bin first (nbgrader, alembic), never the hub's own PATH additions",
         "    'PATH': os.path.dirname(PYTHON) + ':/usr/local/bin:/usr/bin:/bin',",
         "}",
-        f"c.Spawner.mem_limit = {mem!r}  # enforced by systemdspawner only",
-        f"c.Spawner.cpu_limit = {float(threads)!r}  # enforced by systemdspawner only",
+        f"c.Spawner.mem_limit = {mem!r}  # enforced by systemdspawner (and the cgroups below)",
+        f"c.Spawner.cpu_limit = {float(threads)!r}  # enforced by systemdspawner (and the cgroups below)",
         "",
     ]
-    if spawner == "local":
-        base = "SimpleLocalProcessSpawner" if trusted else "LocalProcessSpawner"
+    if spawner == "local" and trusted:
         lines += [
-            f"from jupyterhub.spawner import {base}",
+            "from jupyterhub.spawner import SimpleLocalProcessSpawner",
             "",
             "",
-            f"class SeatedSpawner({base}):",
-            ("    # Every server runs as the hub's user; the seat's CPUs become its affinity mask."
-             if trusted else
-             "    # Each server runs as the learner's account (setuid, then chdir to its 0700 home);"),
-            ("    # mem_limit is NOT enforced by a local-process spawner." if trusted else
-             "    # the seat's CPUs become its affinity mask. mem_limit is NOT enforced here."),
+            "class SeatedSpawner(SimpleLocalProcessSpawner):",
+            "    # Every server runs as the hub's user; the seat's CPUs become its affinity mask.",
+            "    # mem_limit is NOT enforced by a local-process spawner.",
             "    def make_preexec_fn(self, name):",
             "        inner, cpus = super().make_preexec_fn(name), seats.take(self.user.name).cpus",
             "",
@@ -166,6 +169,8 @@ def render(*, folder: str, learners: list[str], admin: str, gpus_per_learner: in
             "",
             "c.JupyterHub.spawner_class = SeatedSpawner",
         ]
+    elif spawner == "local":
+        lines += limited_spawner_lines(mem_gib or 3.0, threads)
         if trusted:
             lines += [
                 "if os.geteuid() == 0:  # jupyter_server refuses root unless told (every learner is root!)",
@@ -195,6 +200,11 @@ def render(*, folder: str, learners: list[str], admin: str, gpus_per_learner: in
     ]
     if spawner == "systemd":
         lines.append("    spawner.unit_extra_properties = {'AllowedCPUs': ','.join(map(str, seat.cpus))}")
+    if spawner == "local" and not trusted:
+        lines += [
+            "    if spawner.user.name != INSTRUCTOR and CGROUPS:",
+            f"        limits.prepare(CLASS, spawner.user.name, MEMORY, {threads}, seat.cpus)",
+        ]
     lines += [
         "    if spawner.user.name == INSTRUCTOR:  # Formgrader wants the course inside the server's root",
         "        spawner.notebook_dir = str(HERE)",
@@ -208,8 +218,10 @@ def render(*, folder: str, learners: list[str], admin: str, gpus_per_learner: in
         "",
         "",
         "c.Spawner.pre_spawn_hook = take_seat",
-        ("c.Spawner.post_stop_hook = lambda spawner: seats.release(spawner.user.name)" if spawner != "slurm"
-         else "# each job's end frees its resources in Slurm: no seats to give back"),
+        ("# each job's end frees its resources in Slurm: no seats to give back" if spawner == "slurm" else
+         "c.Spawner.post_stop_hook = end_learner  # the seat back, every process of theirs ended"
+         if spawner == "local" and not trusted else
+         "c.Spawner.post_stop_hook = lambda spawner: seats.release(spawner.user.name)"),
         "",
         "# Idle servers are stopped (their kernels, ranks and seat with them).",
         "c.JupyterHub.load_roles = [{'name': 'idle-culler', 'services': ['idle-culler'],",
@@ -222,6 +234,49 @@ def render(*, folder: str, learners: list[str], admin: str, gpus_per_learner: in
         "",
     ]
     return "\n".join(lines)
+
+
+def limited_spawner_lines(mem_gib: float, threads: int) -> list[str]:
+    """Each server as its learner's account, in that learner's cgroups (ddplab/course/limits.py)."""
+    return [
+        "from jupyterhub.spawner import LocalProcessSpawner",
+        "",
+        "from ddplab.course import limits",
+        "",
+        "CLASS = limits.class_name(HERE)",
+        f"MEMORY = int({mem_gib!r} * 2**30)",
+        "CGROUPS = limits.writable()  # cgroup v1 controllers the hub (root) may use here",
+        "for _name in LEARNERS:  # what a killed hub's servers left running",
+        "    limits.end(CLASS, _name)",
+        "",
+        "",
+        "class SeatedSpawner(LocalProcessSpawner):",
+        "    # Each server runs as the learner's account (setuid, then chdir to its 0700 home), in",
+        "    # the learner's cgroups (memory, pids, CPU quota, the seat's CPUs), joined while still",
+        "    # root; where no cgroup is writable, rlimits per process stand in (limits.rlimits).",
+        "    def make_preexec_fn(self, name):",
+        "        inner, cpus = super().make_preexec_fn(name), seats.take(self.user.name).cpus",
+        "        learner = self.user.name != INSTRUCTOR",
+        "",
+        "        def preexec():",
+        "            if learner and CGROUPS:",
+        "                limits.join(CLASS, self.user.name)",
+        "            elif learner:",
+        f"                limits.rlimits(int(limits.address_space_gib({mem_gib!r}) * 2**30))",
+        "            inner()",
+        "            os.sched_setaffinity(0, cpus)",
+        "        return preexec",
+        "",
+        "",
+        "c.JupyterHub.spawner_class = SeatedSpawner",
+        "",
+        "",
+        "def end_learner(spawner):",
+        "    seats.release(spawner.user.name)",
+        "    left = limits.end(CLASS, spawner.user.name)",
+        "    if left:",
+        "        spawner.log.warning('processes of %s outlived their server: %s', spawner.user.name, left)",
+    ]
 
 
 def slurm_lines(gpus: int, threads: int, mem_gib: float | None, time_limit: str, partition: str,

@@ -25,7 +25,6 @@ from __future__ import annotations
 import os
 import re
 import shutil
-import subprocess
 from pathlib import Path
 
 from batchspawner import SlurmSpawner
@@ -70,24 +69,3 @@ def sudoers(hub_user: str, learners: list[str]) -> str:
         "",
     ])
 
-
-def install_sudoers(text: str, name: str) -> Path:
-    """Check ``text`` with ``visudo -c`` and install it as /etc/sudoers.d/NAME (0440)."""
-    if not shutil.which("visudo"):
-        raise ValueError("visudo not found: install sudo (Debian: apt-get install sudo)")
-    target = Path("/etc/sudoers.d") / name
-    tmp = target.with_name(f".{name}.new")
-    target.parent.mkdir(mode=0o750, exist_ok=True)
-    tmp.write_text(text)
-    tmp.chmod(0o440)
-    check = subprocess.run(["visudo", "-c", "-q", "-f", str(tmp)], capture_output=True, text=True)
-    if check.returncode != 0:
-        tmp.unlink()
-        raise ValueError(f"visudo refused the sudo rule: {check.stdout}{check.stderr}")
-    tmp.replace(target)
-    return target
-
-
-def sudoers_name(folder: Path) -> str:
-    # sudo skips files in sudoers.d whose names contain a dot or end in ~
-    return "ddplab-" + re.sub(r"[^A-Za-z0-9_-]", "_", str(folder).strip("/"))[-60:]

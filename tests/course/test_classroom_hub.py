@@ -79,7 +79,7 @@ def require_accounts():
                    "this test from an environment they can run (make test-hub builds .venv-hub)")
     if why:
         need(f"learners as Unix accounts cannot be tested here: {why}")
-    taken = [n for n in [*LEARNERS, INSTRUCTOR] if accounts.exists(n)]
+    taken = [n for n in [*LEARNERS, INSTRUCTOR, f"{INSTRUCTOR}-grader"] if accounts.exists(n)]
     if taken:
         pytest.fail(f"Unix accounts {taken} exist already: a leftover of an earlier run? "
                     "(userdel --remove NAME as root, if they are)")
@@ -172,6 +172,7 @@ def test_a_safe_class_two_learners_on_a_real_hub_sigkill_then_autograde():
     base = Path(tempfile.mkdtemp(prefix="ddplab-hub-test-"))
     base.chmod(0o755)  # the learners' accounts walk through it to their homes
     folder, hub, log = base / "class", None, None
+    modes = room.checkout_modes()  # the class closes the checkout's answers to other accounts
     try:
         roster = base / "roster.txt"
         roster.write_text("\n".join(LEARNERS) + "\n")
@@ -317,9 +318,11 @@ def test_a_safe_class_two_learners_on_a_real_hub_sigkill_then_autograde():
             log.close()
             if sys.exc_info()[0] is not None:  # the hub's and the servers' log, before it is deleted
                 print((folder / "hub.log").read_text()[-6000:])
-        room.classroom(folder, "--delete-accounts")  # the accounts, their homes, their processes
+        room.classroom(folder, "--delete-accounts", "--yes")  # the accounts, their homes, their processes
+        room.restore_modes(modes)
         shutil.rmtree(base, ignore_errors=True)
-    assert not [n for n in [*LEARNERS, INSTRUCTOR] if accounts.exists(n)], "accounts left behind"
+    left = [n for n in [*LEARNERS, INSTRUCTOR, f"{INSTRUCTOR}-grader"] if accounts.exists(n)]
+    assert not left, "accounts left behind"
 
 
 def _up(url):

@@ -103,7 +103,7 @@ def test_two_learners_servers_are_slurm_jobs_culled_and_cancelled():
                                     f" on the way to {sys.prefix}: run from .venv-hub (make test-slurm-hub)")
     if why:
         need(f"learners as Unix accounts cannot be set up here: {why}")
-    taken = [n for n in [*LEARNERS, INSTRUCTOR] if accounts.exists(n)]
+    taken = [n for n in [*LEARNERS, INSTRUCTOR, f"{INSTRUCTOR}-grader"] if accounts.exists(n)]
     if taken:
         pytest.fail(f"Unix accounts {taken} exist already (a leftover? userdel --remove NAME)")
     start = time.monotonic()
@@ -111,6 +111,7 @@ def test_two_learners_servers_are_slurm_jobs_culled_and_cancelled():
     base = Path(tempfile.mkdtemp(prefix="ddplab-slurm-hub-"))
     base.chmod(0o755)  # the learners walk through it to their homes
     folder, hub, log, timings = base / "class", None, None, {}
+    modes = room.checkout_modes()  # the class closes the checkout's answers to other accounts
     try:
         try:
             slurm.start()
@@ -239,11 +240,13 @@ def test_two_learners_servers_are_slurm_jobs_culled_and_cancelled():
         if slurm.procs:
             for user in LEARNERS:  # jobs of a failed run
                 slurm.run(["scancel", "--user", user], check=False, timeout=20)
-        subprocess.run([sys.executable, "-m", "ddplab", "classroom", str(folder), "--delete-accounts"],
+        subprocess.run([sys.executable, "-m", "ddplab", "classroom", str(folder), "--delete-accounts", "--yes"],
                        capture_output=True, text=True, env=room.env(), timeout=120)
         strays = slurm.stop()
+        room.restore_modes(modes)
         shutil.rmtree(base, ignore_errors=True)
-    assert not [n for n in [*LEARNERS, INSTRUCTOR] if accounts.exists(n)], "accounts left behind"
+    left = [n for n in [*LEARNERS, INSTRUCTOR, f"{INSTRUCTOR}-grader"] if accounts.exists(n)]
+    assert not left, "accounts left behind"
     assert not strays, f"processes left after Slurm's stop: {strays}"
 
 

@@ -49,8 +49,9 @@ MODULES = {
                           "pipeline", "reducer_map", "ring", "sharding", "watch", "workload", "yourmodel"]},
     # the front doors: they may use everything below
     9: {"ddplab.notebook": ["", "completion", "ddpcell", "export", "magics", "rankview", "sbatch"],
-        "ddplab.course": ["", "accounts", "classroom", "classroom_readme", "exercises", "handouts", "hubconfig",
-                          "labsetup", "proxy_guard", "safety", "seats", "slurmhub"],
+        "ddplab.course": ["", "accounts", "classroom", "classroom_readme", "exchange_guard", "exercises", "gradebox",
+                          "handouts", "hubconfig", "labsetup", "limits", "proxy_guard", "safety", "seats",
+                          "slurmhub", "teardown"],
         "ddplab.cli": ["", "compare", "doctor", "view"],
         "ddplab": ["", "__main__", "integrations"]},  # `import ddplab` / `from ddplab import X`: the front door
 }

@@ -1,0 +1,258 @@
+"""Autograding in a sandbox: a submission's cells run as an account that can read nothing of the course.
+
+Teaches why and how a class's grading keeps learners' code away from what it is graded against.
+``nbgrader autograde`` runs each submitted notebook's cells in a kernel of the account that runs
+it, the instructor's: a cell could copy the solutions (``course/source``), the gradebook or other
+learners' submissions. Here the course's nbgrader config swaps nbgrader's ``Execute`` step for
+:class:`SandboxedExecute`, which sends the notebook to a second process running as the class's
+grading account (a Unix account with no password and no rights: ``python -m ddplab classroom``
+creates it beside the learners). That process (:func:`main`):
+
+1. lowers its own limits first (address space, processes, file size, core dumps), which no
+   later code of that account can raise again;
+2. writes the notebook into a fresh scratch folder in the grading account's 0700 home;
+3. executes it with nbgrader's own ``Execute`` (the same per-cell timeout and error handling);
+4. sends the executed notebook back on stdout, removes the scratch folder and ends every process
+   of the grading account (``kill(-1)`` as that account), so nothing a submission started in the
+   background outlives its grading or meets the next learner's notebook.
+
+The instructor's process keeps the notebook it sent: it takes back only each cell's outputs and
+execution count, never a source or a cell's metadata, and nbgrader's later steps (output limits,
+scores into the gradebook) run as the instructor, as before. The switch of account is ``runuser``
+when autograde runs as root, else ``sudo -n -u GRADER`` (the class installs the one sudo rule
+this needs); one submission is graded at a time per course (a lock in the course folder).
+
+Leaves out: a container or a network namespace (a submission can still open sockets), and
+anything against a cell that prints a fake "passed": a submission runs in the same kernel as
+its graders, as in every nbgrader course.
+References: nbgrader's "Autograding resources" and its Execute preprocessor; setrlimit(2),
+kill(2) ("If pid equals -1"); sudo(8), runuser(1).
+"""
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import pathlib
+import pwd
+import resource
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+from nbgrader.preprocessors import Execute
+from traitlets import Float, Integer, Unicode
+
+ENTRY = ["-m", "ddplab.course.gradebox"]  # what the sudo rule allows the instructor to run as GRADER
+
+
+class SandboxedExecute(Execute):
+    """nbgrader's Execute, with the cells run as ``user`` in a scratch folder, under limits."""
+
+    user = Unicode("", help="the grading account: it may read no file of the course").tag(config=True)
+    memory_gib = Float(4.0, help="address space of the grading process and each of its children").tag(config=True)
+    wall_s = Integer(1800, help="the longest one notebook's grading may take, all cells together").tag(config=True)
+    max_output_mib = Integer(64, help="the most the sandbox may send back").tag(config=True)
+
+    def preprocess(self, nb, resources):
+        import nbformat
+
+        if not self.user:
+            raise ValueError("SandboxedExecute.user is not set: name the class's grading account in "
+                             "nbgrader_config.py (python -m ddplab classroom writes it)")
+        request = {"notebook": nbformat.writes(nb), "timeout": self.timeout,
+                   "memory_bytes": int(self.memory_gib * 2**30),
+                   "env": {k: os.environ[k] for k in ("PYTHONPATH", "LANG", "OMP_NUM_THREADS") if k in os.environ}}
+        lock_path = pathlib.Path(resources.get("metadata", {}).get("path") or ".").resolve()
+        with _one_at_a_time(self.coursedir_lock(lock_path)):
+            back = run_as(self.user, json.dumps(request), self.wall_s, self.max_output_mib * 2**20)
+        executed = nbformat.reads(back, as_version=4)
+        if [c.get("id") for c in executed.cells] != [c.get("id") for c in nb.cells]:
+            raise RuntimeError("the sandbox sent back a notebook with other cells: graded nothing")
+        for mine, theirs in zip(nb.cells, executed.cells):
+            if mine.cell_type == "code":  # outputs only: the sources and metadata stay the instructor's
+                mine.outputs = theirs.get("outputs", [])
+                mine.execution_count = theirs.get("execution_count")
+        return nb, resources
+
+    @staticmethod
+    def coursedir_lock(start: pathlib.Path) -> pathlib.Path:
+        """The course folder's lock file (the folder above autograded/<student>/<assignment>)."""
+        for folder in [start, *start.parents]:
+            if (folder / "nbgrader_config.py").exists():
+                return folder / ".autograde.lock"
+        return start / ".autograde.lock"
+
+
+def configure(c, user: str, memory_gib: float) -> None:
+    """The course's nbgrader config ``c``: autograde's Execute step becomes SandboxedExecute."""
+    from nbgrader.converters import Autograde
+
+    steps = Autograde.class_traits()["autograde_preprocessors"].default()
+    c.Autograde.autograde_preprocessors = [SandboxedExecute if s is Execute else s for s in steps]
+    c.SandboxedExecute.user = user
+    c.SandboxedExecute.memory_gib = memory_gib
+
+
+def python() -> str:
+    """This environment's Python by the path the class's sudo rule names."""
+    return os.path.join(sys.prefix, "bin", "python")
+
+
+def sudo_rule(instructor: str, grader: str) -> str:
+    """The one sudo rule autograde needs: the instructor may run the sandbox as the grading account."""
+    command = " ".join([python(), *ENTRY])
+    return (f"# python -m ddplab classroom: {instructor}'s autograde runs each submission as {grader}\n"
+            f"{instructor} ALL=({grader}) NOPASSWD: {command}, {command} --end\n")
+
+
+class _one_at_a_time:
+    # Ending the grading account's processes (kill -1) would end another grading's kernel.
+    def __init__(self, path: pathlib.Path):
+        self.path = path
+
+    def __enter__(self):
+        self.file = open(self.path, "a")  # noqa: SIM115 (closed in __exit__)
+        fcntl.flock(self.file, fcntl.LOCK_EX)
+
+    def __exit__(self, *exc):
+        fcntl.flock(self.file, fcntl.LOCK_UN)
+        self.file.close()
+
+
+def switch(user: str) -> list[str]:
+    """The command prefix that runs this environment's Python as ``user``."""
+    if os.geteuid() == 0:
+        return ["runuser", "-u", user, "--", python()]
+    if not shutil.which("sudo"):
+        raise RuntimeError("autograde runs each submission as the grading account, which needs sudo "
+                           "(apt-get install sudo; python -m ddplab classroom installs its rule) or "
+                           "autograde run as root")
+    return ["sudo", "-n", "-u", user, python()]
+
+
+def run_as(user: str, request: str, wall_s: int, max_bytes: int) -> str:
+    """Send ``request`` to :func:`main` running as ``user``; its executed notebook, as text."""
+    command = switch(user) + ENTRY
+    proc = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, cwd="/", start_new_session=True)
+    try:
+        out, err = proc.communicate(request.encode(), timeout=wall_s)
+    except subprocess.TimeoutExpired:
+        end_all(user)
+        proc.kill()
+        proc.communicate()
+        raise RuntimeError(f"this submission ran past {wall_s} s (SandboxedExecute.wall_s): it was "
+                           "stopped and graded nothing") from None
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    if proc.returncode != 0 or not out:
+        if b"a password is required" in err or b"may not run sudo" in err:
+            raise RuntimeError(f"sudo does not let {pwd.getpwuid(os.getuid()).pw_name} run "
+                               f"{' '.join(command[-3:])} as {user}: reinstall the class's sudo rule "
+                               "(docs/classroom.md, 'Grading')")
+        raise RuntimeError(f"the sandbox failed ({proc.returncode}): {err.decode(errors='replace')[-2000:]}")
+    if len(out) > max_bytes:
+        raise RuntimeError(f"the submission's outputs exceed {max_bytes >> 20} MiB: graded nothing")
+    return out.decode()
+
+
+def end_all(user: str) -> None:
+    """Every process of ``user`` ended (the sandbox's own last step, run again after a timeout)."""
+    subprocess.run(switch(user) + ENTRY + ["--end"], stdin=subprocess.DEVNULL,
+                   capture_output=True, timeout=60, cwd="/")
+
+
+def _kill_every_process_of_mine() -> None:
+    # kill(-1) signals every process this uid may signal, except this one: the grading
+    # account's own (it has no others), repeated while a fork outpaces one pass.
+    for _ in range(20):
+        try:
+            os.kill(-1, signal.SIGKILL)
+        except ProcessLookupError:
+            return
+        time.sleep(0.05)
+
+
+def limit(memory_bytes: int) -> None:
+    """This process's limits, inherited by the kernel and its ranks; an unprivileged account
+    may lower a hard limit but never raise it back."""
+    for which, value in [(resource.RLIMIT_AS, memory_bytes), (resource.RLIMIT_NPROC, 512),
+                         (resource.RLIMIT_FSIZE, 1 << 30), (resource.RLIMIT_CORE, 0)]:
+        resource.setrlimit(which, (value, value))
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv == ["--end"]:
+        _kill_every_process_of_mine()
+        return 0
+    if os.geteuid() == 0:
+        print("the sandbox never runs as root", file=sys.stderr)
+        return 2
+    request = json.loads(sys.stdin.read())
+    # The answer goes out on a private copy of stdout; the kernel and its ranks inherit
+    # /dev/null as their stdout and stderr, so nothing they print can garble or flood it.
+    answer, errors = os.fdopen(os.dup(1), "w"), os.fdopen(os.dup(2), "w")
+    quiet = os.open(os.devnull, os.O_RDWR)
+    for fd in (0, 1, 2):
+        os.dup2(quiet, fd)
+    try:
+        text = grade(request)
+    except Exception as e:  # said to the instructor's process, which raises it
+        errors.write(f"{type(e).__name__}: {e}\n")
+        errors.flush()
+        _kill_every_process_of_mine()
+        return 1
+    answer.write(text)
+    answer.flush()
+    _kill_every_process_of_mine()
+    return 0
+
+
+def grade(request: dict) -> str:
+    me = pwd.getpwuid(os.getuid())
+    os.environ.clear()
+    os.environ.update({"HOME": me.pw_dir, "USER": me.pw_name, "LOGNAME": me.pw_name,
+                       "PATH": f"{os.path.dirname(sys.executable)}:/usr/local/bin:/usr/bin:/bin",
+                       **request.get("env", {})})
+    limit(request["memory_bytes"])
+    scratch = pathlib.Path(tempfile.mkdtemp(prefix="grading-", dir=me.pw_dir))
+    # torchrun's and torch's temporary files too: into the scratch folder, removed with it
+    os.environ["TMPDIR"] = str(scratch)
+    tempfile.tempdir = None
+    try:
+        return execute(request["notebook"], scratch, request["timeout"])
+    finally:
+        os.chdir("/")
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+def execute(text: str, folder: pathlib.Path, timeout: int) -> str:
+    """nbgrader's Execute on the notebook in ``folder``; the executed notebook as text."""
+    import nbformat
+
+    os.chdir(folder)
+    nb = nbformat.reads(text, as_version=4)
+    (folder / "submission.ipynb").write_text(text)
+    step = Execute(timeout=timeout)
+    with _autograde_env():
+        nb, _ = step.preprocess(nb, {"metadata": {"path": str(folder)}})
+    return nbformat.writes(nb)
+
+
+class _autograde_env:
+    # nbgrader sets NBGRADER_EXECUTION while autograding: graders may read it.
+    def __enter__(self):
+        os.environ["NBGRADER_EXECUTION"] = "autograde"
+
+    def __exit__(self, *exc):
+        os.environ.pop("NBGRADER_EXECUTION", None)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
