@@ -18,8 +18,9 @@ as their servers' terminals would. Lab 00, two learners:
    (MemoryError: the sandbox's limit), the `sleep` is gone, and the scores are right:
    sbxann full marks, sbxbob 0.
 5. Where cgroup v1 is writable: the hub starts sbxann's server (its API, no browser), which
-      serves no Formgrader (404); the server runs in sbxann's groups with the class's limits; a
-   CPU burner of sbxann's in those groups, in a session of its own, dies when the hub stops the server, and the groups go with it.
+   serves no Formgrader (404); the server runs in sbxann's groups with the class's limits; a
+   CPU burner of sbxann's in those groups, in a session of its own, dies when the hub stops the
+   server, and the groups go with it.
 6. --delete-accounts refuses without --yes (no terminal to ask); with it, sbxbob's home is
    saved under course/saved-homes/ and no file in the class folder or /tmp keeps a deleted
    account's uid or gid.
