@@ -3,7 +3,7 @@
     torchrun --standalone --nproc-per-node=2 tests/_trainer_script.py TRAINER OUT
 
 TRAINER: ``torch`` (a plain loop: 2 accumulation micro-steps per optimizer step and a
-validation forward after every step), ``lightning`` (validation every 2 steps),
+validation forward after every step), ``lightning`` (accumulation of 2, validation every 2 batches),
 ``accelerate`` (with its fp16 comm hook, registered inside ``prepare()``) and ``hf`` (2
 accumulation micro-steps each). Every run trains 6 optimizer
 steps and records steps 1-4 (``steps=range(1, 5)``). Run by tests/measure/test_record_trainers.py.
@@ -87,7 +87,8 @@ def lightning():
     loader = torch.utils.data.DataLoader(data(), batch_size=4)
     trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=DDPStrategy(process_group_backend="gloo",
                                                                             bucket_cap_mb=CAP_MB),
-                         max_steps=STEPS, val_check_interval=2, limit_val_batches=2, num_sanity_val_steps=1,
+                         max_steps=STEPS, accumulate_grad_batches=2, val_check_interval=2, limit_val_batches=2,
+                         num_sanity_val_steps=1,
                          logger=False, enable_checkpointing=False, enable_progress_bar=False,
                          enable_model_summary=False)
     rec = ddplab.record(trainer, steps=RECORD, out=OUT)  # <- the one line

@@ -258,8 +258,9 @@ class RunRecorder:
         return held
 
     def _before_optimizer_step(self, optimizer, args, kwargs):
-        # Lightning calls optimizer.step(closure) BEFORE its forward: then no step phase
-        if self._micro > 0 and self._recording() and self._holds(optimizer):
+        # Lightning calls optimizer.step(closure) BEFORE its synchronizing forward and backward
+        # (the closure runs them): then no step phase, also after no_sync micro-steps
+        if self._synced and self._recording() and self._holds(optimizer):
             self._step_t0 = now()
 
     def _after_optimizer_step(self, optimizer, args, kwargs):

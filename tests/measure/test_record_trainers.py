@@ -14,7 +14,7 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TRAINERS = {"torch": None, "lightning": "lightning", "accelerate": "accelerate", "hf": "transformers"}
 NAMES = {"torch": "torch DDP", "lightning": "Lightning", "accelerate": "accelerate", "hf": "Hugging Face Trainer"}
-ACCUMULATES = {"torch": 2, "lightning": 1, "accelerate": 2, "hf": 2}  # micro-steps per optimizer step
+ACCUMULATES = {"torch": 2, "lightning": 2, "accelerate": 2, "hf": 2}  # micro-steps per optimizer step
 VALIDATES = {"torch", "lightning"}  # forwards under no_grad during the recorded steps
 
 
@@ -46,6 +46,9 @@ def test_each_recipe_records_optimizer_steps_whose_buckets_equal_torchs(trainer,
     assert not any(it.flags for it in tl.iterations)  # steps 1-4: after torch's rebuild
     assert tl.meta["micro_steps"] == {str(i): ACCUMULATES[trainer] for i in range(1, 5)}
     assert all(("no_sync" in it.phases) == (ACCUMULATES[trainer] > 1) for it in tl.iterations)
+    for it in tl.iterations:  # an optimizer step comes after its backward (Lightning's closure runs both)
+        if "step" in it.phases:
+            assert it.phases["step"][0] >= it.phases["backward"][1], (trainer, it.iteration, it.phases)
     evals = tl.meta["forwards_without_backward"]
     assert bool(evals) == (trainer in VALIDATES)
     for step, start, end in evals:  # a validation forward lies outside every recorded step
