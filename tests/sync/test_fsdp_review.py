@@ -2,7 +2,8 @@
 
 On 2 gloo ranks whose models start from different weights: a transformer block
 (nn.MultiheadAttention, LayerNorm, Linear) and nn.TransformerEncoderLayer,
-wrapped with FSDP's default ``shard=``, train equal to one process and to
+wrapped with FSDP's default ``shard=`` (and the block with
+``shard=(nn.MultiheadAttention,)``), train equal to one process and to
 torch's ``fully_shard`` after every step (within 1e-6): MultiheadAttention is
 one unit, out_proj in it. A module that reads a sharded child's weight without
 calling it is named at the first forward, with the ``shard=`` to pass. Ranks
@@ -72,17 +73,21 @@ def _full_tensor(p):
     return out[:p.shape[0]]
 
 
-def _three_runs(kind):
+DEFAULT = (nn.Linear, nn.Embedding, nn.MultiheadAttention)
+
+
+def _three_runs(kind, shard=None):
     from torch.distributed.fsdp import fully_shard
 
     rank, ws = dist.get_rank(), dist.get_world_size()
-    fsdp = core.FSDP(_model(kind, rank))  # the default shard=; rank 0's weights win
+    # the default shard= unless given; rank 0's weights win
+    fsdp = core.FSDP(_model(kind, rank), **({"shard": shard} if shard else {}))
     units = sorted(type(u.module).__name__ for u in fsdp.units)
     one, theirs = _model(kind, 0), _model(kind, 0)
     for m in list(theirs.modules()):  # torch's units: the same ones, attention whole
         inside = any(m is c for a in theirs.modules() if isinstance(a, nn.MultiheadAttention)
                      for c in a.modules() if c is not a)
-        if isinstance(m, (nn.Linear, nn.Embedding, nn.MultiheadAttention)) and not inside:
+        if isinstance(m, shard or DEFAULT) and not inside:
             fully_shard(m)
     fully_shard(theirs)
     opts = [_sgd(fsdp.parameters()), _sgd(one.parameters()), _sgd(theirs.parameters())]
@@ -109,10 +114,12 @@ def _three_runs(kind):
 
 
 @pytest.mark.more
-@pytest.mark.parametrize("kind", ["block", "encoder"])
-def test_attention_models_train_equal_to_one_process_and_fully_shard(cluster2, kind):
-    for units, worst_one, worst_torch, moved in cluster2.run(_three_runs, kind):
-        assert units.count("MultiheadAttention") == 1
+@pytest.mark.parametrize("kind, shard", [("block", None), ("encoder", None),
+                                         ("block", (nn.MultiheadAttention,))])
+def test_attention_models_train_equal_to_one_process_and_fully_shard(cluster2, kind, shard):
+    for units, worst_one, worst_torch, moved in cluster2.run(_three_runs, kind, shard):
+        assert units.count("MultiheadAttention") == 1 and (shard is None or units == [
+            "MultiheadAttention"])
         assert "NonDynamicallyQuantizableLinear" not in units  # out_proj is inside attention
         assert moved > 1e-3  # the model trained
         assert worst_one <= 1e-6, worst_one

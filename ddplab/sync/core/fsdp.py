@@ -287,8 +287,8 @@ class FSDP(nn.Module):
                     raise RuntimeError(
                         f"{names[id(unit.module)]} ({type(unit.module).__name__}) is sharded as "
                         f"its own unit, but its parent {names[id(parent)] or 'the model'} "
-                        f"({kind}) failed without calling it: it must read its weights directly, "
-                        "and got this rank's flat 1-D piece. FSDP gathers a unit only when the "
+                        f"({kind}) failed without calling it: if {kind} reads its weights directly, "
+                        "it got this rank's flat 1-D piece. FSDP gathers a unit only when the "
                         f"unit is called: pass shard=(..., {kind}) so that {kind} is gathered as "
                         "one unit") from error
             raise
