@@ -16,16 +16,22 @@ What it teaches. DDP keeps a whole model on every rank. FSDP keeps
    Parameters outside sharded layers (a norm) are replicated and all-reduced
    by ``finish_gradient_synchronization()``, as in DDP.
 
-As in FSDP2, a layer run again inside backward (activation checkpointing
+The layout is FSDP1's (flat 1-D pieces, below); the hooks behave as FSDP2's:
+a layer run again inside backward (activation checkpointing
 recomputing it, reentrant or not) is gathered and kept until its backward is
 done; a layer called twice is gathered for each call; frozen weights are
 gathered and freed but never reduced.
+
+An ``nn.MultiheadAttention`` is ONE unit, its ``out_proj`` included: its forward
+reads ``out_proj.weight`` without calling ``out_proj``, so a hook on ``out_proj``
+would never run. A unit whose weights another module reads without calling it
+is named, with the ``shard=`` to pass, when the first forward fails.
 
 The shards ARE ``.module``'s parameters (float32 master weights, flat, padded
 with zeros to a multiple of world_size; rank r holds piece r): the optimizer
 steps 1/world_size of the model. ``full_parameters()`` gathers it by name.
 
-    model = FSDP(net, compute_dtype=torch.bfloat16)  # shards nn.Linear, nn.Embedding
+    model = FSDP(net, compute_dtype=torch.bfloat16)  # shards Linear, Embedding, MultiheadAttention
     opt = torch.optim.AdamW(model.parameters())      # the shards
     loss_fn(model(x), y).backward()                  # gathers, reduce-scatters
     model.finish_gradient_synchronization()          # the replicated parameters
@@ -47,6 +53,7 @@ _fsdp_collectives.py; Zhao et al., "PyTorch FSDP" (VLDB 2023).
 from __future__ import annotations
 
 import dataclasses
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -93,8 +100,13 @@ class _PostBackward(torch.autograd.Function):
         return (None, *grads)
 
 
+# nn.MultiheadAttention reads out_proj.weight itself: it is gathered as one unit, out_proj in it
+DEFAULT_SHARD = (nn.Linear, nn.Embedding, nn.MultiheadAttention)
+_READS_CHILDREN = (nn.MultiheadAttention,)
+
+
 class FSDP(nn.Module):
-    def __init__(self, module: nn.Module, compute_dtype=None, shard=(nn.Linear, nn.Embedding),
+    def __init__(self, module: nn.Module, compute_dtype=None, shard=DEFAULT_SHARD,
                  process_group=None, **unsupported):
         super().__init__()
         if unsupported:
@@ -103,15 +115,26 @@ class FSDP(nn.Module):
                 "reference to read; for prefetching, no_sync or CPU offload use torch's "
                 "torch.distributed.fsdp.fully_shard")
         _check(module, compute_dtype, shard)
+        check_started("FSDP")
         self.module, self.process_group = module, process_group
         self.rank = dist.get_rank(process_group)
         self.world_size = dist.get_world_size(process_group)
+        # before the first collective: different models would make gloo abort a rank
+        check_same_on_every_rank("FSDP", [*module.named_parameters(), *module.named_buffers()],
+                                 process_group)
         self.compute_dtype = compute_dtype or torch.float32
         with torch.no_grad():  # like DDP: every rank starts from rank 0's weights and buffers
             src = dist.get_global_rank(process_group, 0) if process_group else 0
             for t in [*module.parameters(), *module.buffers()]:
                 dist.broadcast(t, src, group=process_group)
         self.units, self.sharded = self._shard(module, shard)
+        if not self.units:
+            warnings.warn(
+                f"FSDP sharded nothing: no module of {type(module).__name__} is an instance of "
+                f"shard={tuple(c.__name__ for c in shard)}, so every parameter is replicated as "
+                "under DDP. Pass shard= with the classes of the layers to shard, e.g. "
+                "shard=(nn.Linear, MyBlock)", stacklevel=2)
+        self._first_forward = True
         ids = {id(sp.shard) for sp in self.sharded.values()}
         self.replicated = [p for p in module.parameters() if id(p) not in ids and p.requires_grad]
         self._final_queued = False
@@ -125,7 +148,8 @@ class FSDP(nn.Module):
         owner, uses, sharded, by_id, outside = {}, {}, {}, {}, {}
         for name, m in module.named_modules():
             parent = owner.get(name.rpartition(".")[0]) if name else None
-            owner[name] = m if isinstance(m, classes) else parent
+            inside = isinstance(parent, _READS_CHILDREN)  # it reads its children's weights
+            owner[name] = m if isinstance(m, classes) and not inside else parent
             for pname, p in m.named_parameters(recurse=False):
                 fqn = f"{name}.{pname}" if name else pname
                 if owner[name] is None:
@@ -238,6 +262,41 @@ class FSDP(nn.Module):
             torch.autograd.Variable._execution_engine.queue_callback(self._final)
 
     def forward(self, *args, **kwargs):
+        if not self._first_forward:
+            return self._forward(*args, **kwargs)
+        # The first forward watches which units are called and which of their parents are
+        # running: a parent that reads a unit's weight without calling it gets the flat shard.
+        self._first_forward = False
+        names = {id(m): n for n, m in self.module.named_modules()}
+        parents = {id(u): self.module.get_submodule(names[id(u.module)].rpartition(".")[0])
+                   for u in self.units if names[id(u.module)]}
+        called, running, hooks = set(), set(), []
+        for unit in self.units:
+            hooks.append(unit.module.register_forward_pre_hook(
+                lambda m, a, unit=unit: called.add(id(unit))))
+        for parent in {id(p): p for p in parents.values()}.values():
+            hooks.append(parent.register_forward_pre_hook(lambda m, a: running.add(id(m))))
+            hooks.append(parent.register_forward_hook(lambda m, a, o: running.discard(id(m))))
+        try:
+            return self._forward(*args, **kwargs)
+        except RuntimeError as error:
+            for unit in self.units:
+                parent = parents.get(id(unit))
+                if id(unit) not in called and parent is not None and id(parent) in running:
+                    kind = type(parent).__name__
+                    raise RuntimeError(
+                        f"{names[id(unit.module)]} ({type(unit.module).__name__}) is sharded as "
+                        f"its own unit, but its parent {names[id(parent)] or 'the model'} "
+                        f"({kind}) failed without calling it: if {kind} reads its weights directly, "
+                        "it got this rank's flat 1-D piece. FSDP gathers a unit only when the "
+                        f"unit is called: pass shard=(..., {kind}) so that {kind} is gathered as "
+                        "one unit") from error
+            raise
+        finally:
+            for h in hooks:
+                h.remove()
+
+    def _forward(self, *args, **kwargs):
         if self.compute_dtype == torch.float32:
             output = self.module(*args, **kwargs)
         else:
@@ -351,6 +410,29 @@ class FSDP(nn.Module):
 
     def _pieces(self) -> dict:
         return {id(sp.shard): sp for sp in self.sharded.values()}
+
+
+def check_started(who: str) -> None:
+    """Refuse, in words, to run without a process group."""
+    if not dist.is_initialized():
+        raise RuntimeError(f"{who} shards over a process group: start one first "
+                           "(dist.init_process_group, or a ddplab.Cluster)")
+
+
+def check_same_on_every_rank(who: str, named, group=None) -> None:
+    """Every rank must hold the same tensors (names, shapes, order): compare before the first
+    collective, which would otherwise get buffers of different sizes and abort a rank."""
+    mine = [(n, tuple(t.shape)) for n, t in named]
+    every = [None] * dist.get_world_size(group)
+    dist.all_gather_object(every, mine, group=group)
+    for r, theirs in enumerate(every):
+        if theirs != mine:
+            diff = next(((a, b) for a, b in zip(theirs, mine) if a != b), None)
+            where = (f"rank {r} has {diff[0][0]} {diff[0][1]} where this rank has {diff[1][0]} "
+                     f"{diff[1][1]}" if diff else f"rank {r} has {len(theirs)} tensors, this rank "
+                     f"{len(mine)}")
+            raise ValueError(f"{who}: the ranks hold different models ({where}): build the same "
+                             "model on every rank (its weights may differ: rank 0's are broadcast)")
 
 
 def _check(module, compute_dtype, shard) -> None:

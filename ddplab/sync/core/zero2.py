@@ -24,6 +24,11 @@ backward (here the whole gradients live until ``step``, so the peak still
 holds them once), overlap, mixed precision (float32 throughout), several
 parameter groups with different hyperparameters (one group here).
 
+It is a ``torch.optim.Optimizer`` with that one group, so learning-rate
+schedulers work: a change to ``param_groups[0]`` reaches the local optimizer at
+the next ``step``. ``state_dict()`` is this rank's: the local optimizer's state
+of its slice (save one per rank, load each on the same rank and world size).
+
 References: Rajbhandari et al., "ZeRO: Memory Optimizations Toward Training
 Trillion Parameter Models" (SC 2020), sections 5.2 and 7.2;
 torch/distributed/distributed_c10d.py (``reduce_scatter_tensor``,
@@ -35,14 +40,19 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ddplab.sync.core.fsdp import check_same_on_every_rank, check_started
 
-class ZeroTwo:
+
+class ZeroTwo(torch.optim.Optimizer):
     """``optimizer_cls`` stepping this rank's slice of the flattened parameters."""
 
     def __init__(self, params, optimizer_cls, process_group=None, **kwargs):
         self.params = [p for p in params if p.requires_grad]
         if not self.params or any(p.dtype != torch.float32 for p in self.params):
             raise ValueError("ZeroTwo takes float32 parameters that require grad (at least one)")
+        check_started("ZeroTwo")
+        check_same_on_every_rank("ZeroTwo", [(str(i), p) for i, p in enumerate(self.params)],
+                                 process_group)
         self.group = process_group
         self.rank, self.world_size = dist.get_rank(process_group), dist.get_world_size(process_group)
         with torch.no_grad():  # every rank starts from rank 0's weights, as DDP does
@@ -56,6 +66,8 @@ class ZeroTwo:
         self.master_slice = nn.Parameter(self._flat(p.detach() for p in self.params)[start:start + self.n]
                                   .clone())
         self.optim = optimizer_cls([self.master_slice], **kwargs)  # its state: the slice's only
+        # one group over the model's parameters, showing every hyperparameter (a scheduler's)
+        super().__init__(self.params, dict(self.optim.defaults))
 
     def _flat(self, tensors) -> torch.Tensor:
         """The tensors flattened, concatenated and padded with zeros to world_size slices."""
@@ -67,8 +79,29 @@ class ZeroTwo:
             p.grad = None
         self.optim.zero_grad(set_to_none=set_to_none)
 
+    def state_dict(self) -> dict:
+        """This rank's: the local optimizer's state of its slice, and the hyperparameters."""
+        self._hyperparameters_down()
+        return self.optim.state_dict()
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """A state dict this rank saved (same world size): its slice's state comes back."""
+        self.optim.load_state_dict(state_dict)
+        self.param_groups[0].update({k: v for k, v in self.optim.param_groups[0].items()
+                                     if k != "params"})
+
+    def _hyperparameters_down(self) -> None:
+        """A learning rate a scheduler set on our group reaches the local optimizer."""
+        self.optim.param_groups[0].update({k: v for k, v in self.param_groups[0].items()
+                                           if k != "params"})
+
     @torch.no_grad()
-    def step(self) -> None:
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self._hyperparameters_down()
         grads = self._flat(torch.zeros_like(p) if p.grad is None else p.grad for p in self.params)
         mine = grads.new_empty(self.n)
         dist.reduce_scatter_single(mine, grads, group=self.group)  # slice r's sum, on rank r
@@ -83,3 +116,4 @@ class ZeroTwo:
         for p in self.params:  # the updated slices, back into every parameter
             p.copy_(full[offset:offset + p.numel()].view_as(p))
             offset += p.numel()
+        return loss
