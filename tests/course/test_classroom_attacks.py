@@ -6,16 +6,25 @@ as any user; the parts that hand files to another account skip unless root).
   link is refused though the link itself is the learner's; a submission whose name dates it
   other than when it was written is refused, and the collected timestamp.txt says when it was
   written, so a late submission cannot pass as on time.
+- autograde: the outputs that come back are streams, errors, plain text and PNG only (no HTML,
+  JavaScript, SVG, metadata or attachments); the lock lives in the course root, not beside a
+  config file the submission carries; the grading account's processes are ended before and
+  after each grading, also when autograde is interrupted.
+- the sandbox: HOME, Jupyter's and IPython's folders inside the scratch folder, no user site;
+  its files in /tmp-like places removed without following a link; the sandbox process is not
+  dumpable (its /proc/<pid>/fd is closed to the kernel of the same uid).
 """
 import datetime
+import json
 import os
 import pwd
 import sys
 
+import nbformat
 import pytest
 from traitlets.config import Config
 
-from ddplab.course import exchange_guard
+from ddplab.course import exchange_guard, gradebox
 
 root_only = pytest.mark.skipif(os.geteuid() != 0, reason="hands files to another account: root only")
 LEARNER = "nobody"
@@ -142,3 +151,155 @@ def test_collect_takes_the_honest_one_and_writes_its_true_time(tmp_path, caplog,
 
     written = parse_utc((got / "timestamp.txt").read_text())
     assert abs(written - stamp.replace(tzinfo=None)) < datetime.timedelta(seconds=30)
+
+
+def graded(monkeypatch, outputs, config=None):
+    """SandboxedExecute on a one-cell notebook whose sandbox sends back ``outputs``."""
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [nbformat.v4.new_code_cell("x = 1"),
+                nbformat.v4.new_markdown_cell("see", attachments={"a.svg": {"image/svg+xml": "<svg/>"}})]
+    calls = []
+
+    def sandbox(user, request, wall_s, max_bytes):
+        calls.append("run")
+        back = nbformat.reads(json.loads(request)["notebook"], as_version=4)
+        back.cells[0].outputs = nbformat.from_dict(outputs)
+        return nbformat.writes(back)
+
+    monkeypatch.setattr(gradebox, "run_as", sandbox)
+    monkeypatch.setattr(gradebox, "end_all", lambda user: calls.append("end"))
+    step = gradebox.SandboxedExecute(user="nobody", config=config or Config())
+    return step.preprocess(nb, {"metadata": {"path": "."}})[0], calls
+
+
+def test_only_plain_outputs_come_back_from_the_sandbox(monkeypatch, tmp_path):
+    monkeypatch.chdir(tmp_path)
+    script = "<script>fetch('/hub/api/users', {method: 'POST'})</script>"
+    outputs = [
+        {"output_type": "stream", "name": "stdout", "text": ["passed\n"]},
+        {"output_type": "display_data", "data": {"text/html": script, "application/javascript": "alert(1)",
+                                                 "image/svg+xml": "<svg onload='x()'/>"},
+         "metadata": {"isolated": False}},
+        {"output_type": "execute_result", "execution_count": 1, "metadata": {"trusted": True},
+         "data": {"text/plain": "3", "text/html": script, "image/png": "iVBORw0KGgo="}},
+        {"output_type": "error", "ename": "CheckFailed", "evalue": "no", "traceback": ["t"]},
+        {"output_type": "unknown", "data": {"text/html": script}},
+    ]
+    nb, _ = graded(monkeypatch, outputs)
+    back = nb.cells[0].outputs
+    assert [o["output_type"] for o in back] == ["stream", "execute_result", "error"]
+    assert back[0]["text"] == "passed\n"
+    assert dict(back[1]["data"]) == {"text/plain": "3", "image/png": "iVBORw0KGgo="}
+    assert not back[1]["metadata"] and back[1]["execution_count"] == 1
+    assert "attachments" not in nb.cells[1]
+    nbformat.validate(nb)
+
+
+def test_the_lock_is_in_the_course_root_not_beside_a_config_the_submission_carries(monkeypatch, tmp_path):
+    course, submitted = tmp_path / "course", tmp_path / "course" / "autograded" / "s" / "00-x"
+    submitted.mkdir(parents=True)
+    (submitted / "nbgrader_config.py").write_text("# carried in by the submission\n")
+    config = Config()
+    config.CourseDirectory.root = str(course)
+    step = gradebox.SandboxedExecute(user="nobody", config=config)
+    assert step.coursedir_lock() == course / ".autograde.lock"
+    graded(monkeypatch, [], config)
+    assert (course / ".autograde.lock").exists() and not (submitted / ".autograde.lock").exists()
+
+
+def test_the_grading_account_is_ended_before_and_after_also_when_interrupted(monkeypatch, tmp_path):
+    monkeypatch.chdir(tmp_path)
+    _, calls = graded(monkeypatch, [])
+    assert calls == ["end", "run", "end"]
+    calls.clear()
+
+    def interrupted(*args):
+        calls.append("run")
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(gradebox, "run_as", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        gradebox.SandboxedExecute(user="nobody").preprocess(nbformat.v4.new_notebook(), {})
+    assert calls == ["end", "run", "end"]
+
+
+def test_a_grading_keeps_no_home_jupyter_or_user_site_of_the_last(tmp_path):
+    env = gradebox.scratch_env(tmp_path)
+    for var in ("HOME", "IPYTHONDIR", "JUPYTER_CONFIG_DIR", "JUPYTER_DATA_DIR", "JUPYTER_RUNTIME_DIR", "TMPDIR"):
+        assert env[var].startswith(str(tmp_path) + "/") and os.path.isdir(env[var]), var
+    assert env["PYTHONNOUSERSITE"] == "1"
+    assert gradebox.ENTRY[0] == "-s" and "-s -m ddplab.course.gradebox" in gradebox.sudo_rule("t", "t-grader")
+    # grade() puts them in place before the notebook runs (execute stands in for the kernel here)
+    home = tmp_path / "grader"
+    home.mkdir()
+
+    def child():
+        gradebox.pwd.getpwuid = lambda uid: pwd.struct_passwd(("g", "x", 0, 0, "", str(home), "/bin/sh"))
+        gradebox.limit = lambda memory_bytes: None
+        gradebox.execute = lambda text, folder, timeout: json.dumps(dict(os.environ))
+        return gradebox.grade({"notebook": "", "timeout": 1, "memory_bytes": 0})
+
+    seen = json.loads(in_a_child(child))
+    for var in ("HOME", "IPYTHONDIR", "JUPYTER_CONFIG_DIR", "JUPYTER_DATA_DIR", "JUPYTER_RUNTIME_DIR"):
+        assert seen[var].startswith(f"{home}/grading-"), (var, seen[var])
+    assert seen["PYTHONNOUSERSITE"] == "1"
+    assert not list(home.iterdir())  # the scratch folder went with the run
+
+
+def in_a_child(work) -> str:
+    """What ``work()`` returns, run in a forked child (it changes the process: environment, prctl)."""
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            os.write(write, str(work()).encode())
+        finally:
+            os._exit(0)
+    os.close(write)
+    with os.fdopen(read) as f:
+        text = f.read()
+    os.waitpid(pid, 0)
+    return text
+
+
+@root_only
+def test_the_grading_accounts_leftovers_go_without_a_link_followed(tmp_path):
+    place, outside = tmp_path / "tmp", tmp_path / "outside"
+    (place / "mine" / "deep").mkdir(parents=True)
+    (place / "mine" / "deep" / "f").write_text("x")
+    (place / "theirs").mkdir()
+    (place / "theirs" / "mine.txt").write_text("x")  # the account's file in another's folder
+    (place / "theirs" / "keep.txt").write_text("x")
+    (place / "mixed").mkdir()  # the account's folder holding another's file: left with it
+    (place / "mixed" / "keep.txt").write_text("x")
+    outside.mkdir()
+    (outside / "precious").write_text("x")
+    (place / "to-file").symlink_to(outside / "precious")
+    (place / "to-folder").symlink_to(outside)
+    mine = [place / "mine", place / "mine" / "deep", place / "mine" / "deep" / "f", place / "theirs" / "mine.txt",
+            place / "mixed", place / "to-file", place / "to-folder"]
+    for p in mine:
+        os.lchown(p, uid(), -1)
+    os.lchown(outside / "precious", uid(), -1)  # the account's, but outside the places: kept
+    assert gradebox.remove_mine(uid(), [str(place)]) == 6
+    assert sorted(p.name for p in place.rglob("*")) == ["keep.txt", "keep.txt", "mixed", "theirs"]
+    assert (outside / "precious").read_text() == "x"
+
+
+def test_the_sandbox_process_is_not_dumpable():
+    import ctypes
+
+    def child():
+        libc = ctypes.CDLL(None)
+        before = libc.prctl(3, 0, 0, 0, 0)  # 3: PR_GET_DUMPABLE
+        gradebox.undumpable()
+        return f"{before} {libc.prctl(3, 0, 0, 0, 0)}"
+
+    assert in_a_child(child).split() == ["1", "0"]
+
+
+def test_the_sandbox_makes_itself_undumpable_before_anything_else(monkeypatch):
+    seen = []
+    monkeypatch.setattr(gradebox, "undumpable", lambda: seen.append("undumpable"))
+    monkeypatch.setattr(gradebox.os, "geteuid", lambda: 0)  # refused as root, after the prctl
+    assert gradebox.main(["x"]) == 2 and seen == ["undumpable"]

@@ -70,6 +70,8 @@ def test_the_sandbox_sends_back_outputs_only(monkeypatch, tmp_path):
         return nbformat.writes(back)
 
     monkeypatch.setattr(gradebox, "run_as", forged)
+    monkeypatch.setattr(gradebox, "end_all", lambda user: None)  # no real account's processes ended here
+    monkeypatch.chdir(tmp_path)  # nbgrader's default course root: the lock file goes there
     step = gradebox.SandboxedExecute(user="nobody")
     out, _ = step.preprocess(nb, {"metadata": {"path": str(tmp_path)}})
     mine = next(c for c in out.cells if c.id == grader.id)
@@ -80,6 +82,8 @@ def test_the_sandbox_sends_back_outputs_only(monkeypatch, tmp_path):
 def test_a_sandbox_that_changes_the_cells_grades_nothing(monkeypatch, tmp_path):
     nb = room.exercise()
     monkeypatch.setattr(gradebox, "run_as", lambda *a: nbformat.writes(nbformat.v4.new_notebook()))
+    monkeypatch.setattr(gradebox, "end_all", lambda user: None)
+    monkeypatch.chdir(tmp_path)
     with pytest.raises(RuntimeError, match="other cells: graded nothing"):
         gradebox.SandboxedExecute(user="nobody").preprocess(nb, {"metadata": {"path": str(tmp_path)}})
 
