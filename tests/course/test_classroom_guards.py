@@ -108,6 +108,10 @@ def test_the_default_class_grades_in_the_sandbox_and_collects_guarded(tmp_path):
     assert ExchangeFactory(config=config).collect is exchange_guard.OwnedCollect
     trusted = load(classroom.course_config(tmp_path, tmp_path / "x"), tmp_path)
     assert gradebox.SandboxedExecute not in Autograde(config=trusted).autograde_preprocessors
+    from nbconvert import HTMLExporter
+
+    for each in (config, trusted):  # a submission's scripts never run in the instructor's browser
+        assert HTMLExporter(config=each).sanitize_html is True
 
 
 @pytest.mark.skipif(not shutil.which("visudo"), reason="visudo (sudo) is not installed")
