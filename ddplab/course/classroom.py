@@ -356,6 +356,8 @@ def delete(args, parser) -> int:
     done = teardown.end_class(folder)
     if done["saved"]:
         print(f"saved the homes of {len(done['learners'])} learner(s) to {done['saved']} ({done['owner']}'s)")
+        for line in done["skipped"]:
+            print(f"  not saved: {line}")
     print(f"deleted {len(done['deleted'])} account(s) and their homes: {' '.join(done['deleted'])}")
     print(f"{done['disowned']} file(s) still owned by a deleted account given to {done['owner']} (the class "
           "folder, the exchange, /tmp, /var/tmp, /dev/shm): a later account with the same uid owns none")

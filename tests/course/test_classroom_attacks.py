@@ -13,6 +13,8 @@ as any user; the parts that hand files to another account skip unless root).
 - the sandbox: HOME, Jupyter's and IPython's folders inside the scratch folder, no user site;
   its files in /tmp-like places removed without following a link; the sandbox process is not
   dumpable (its /proc/<pid>/fd is closed to the kernel of the same uid).
+- the end of a class: each learner's processes end before their home is copied; a file above
+  the size limit and a sparse file are not copied, and each is named.
 """
 import datetime
 import json
@@ -303,3 +305,32 @@ def test_the_sandbox_makes_itself_undumpable_before_anything_else(monkeypatch):
     monkeypatch.setattr(gradebox, "undumpable", lambda: seen.append("undumpable"))
     monkeypatch.setattr(gradebox.os, "geteuid", lambda: 0)  # refused as root, after the prctl
     assert gradebox.main(["x"]) == 2 and seen == ["undumpable"]
+
+
+def test_the_end_of_a_class_stops_learners_first_and_skips_huge_and_sparse_files(monkeypatch, tmp_path):
+    from ddplab.course import teardown
+
+    home = tmp_path / "home"
+    home.mkdir()
+    (home / "lab.ipynb").write_text("{}")
+    (home / "big.bin").write_bytes(b"x" * 4096)
+    with open(home / "holes.bin", "wb") as f:  # 1 GiB of holes: a few KiB on disk
+        f.truncate(1 << 30)
+    monkeypatch.setattr(teardown, "MAX_FILE_BYTES", 2048)
+    seen = []
+    fake = pwd.struct_passwd(("learner01", "x", 4242, 4242, "", str(home), "/bin/sh"))
+    monkeypatch.setattr(teardown.pwd, "getpwnam", lambda name: fake)
+    monkeypatch.setattr(teardown.accounts, "stop_processes", lambda uid: seen.append(("stopped", uid)))
+    real_copytree = teardown.shutil.copytree
+
+    def copytree(*args, **kwargs):
+        seen.append(("copied",))
+        return real_copytree(*args, **kwargs)
+
+    monkeypatch.setattr(teardown.shutil, "copytree", copytree)
+    skipped = []
+    target = teardown.save_homes(tmp_path / "class", ["learner01"], os.getuid(), skipped)
+    assert seen == [("stopped", 4242), ("copied",)]
+    assert sorted(p.name for p in (target / "learner01").iterdir()) == ["lab.ipynb"]
+    assert any("big.bin" in line and "over 0 MiB" in line for line in skipped), skipped
+    assert any("holes.bin (1024 MiB, sparse)" in line for line in skipped), skipped
