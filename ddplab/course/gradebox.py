@@ -46,6 +46,7 @@ ptrace access mode; sudo(8), runuser(1).
 from __future__ import annotations
 
 import fcntl
+import functools
 import json
 import os
 import pathlib
@@ -59,9 +60,6 @@ import sys
 import tempfile
 import time
 
-from nbgrader.preprocessors import Execute
-from traitlets import Float, Integer, Unicode
-
 # What the sudo rule allows the instructor to run as GRADER; -s: no user site-packages, which
 # an earlier submission could have filled with a .pth file that runs at every start.
 ENTRY = ["-s", "-m", "ddplab.course.gradebox"]
@@ -71,45 +69,61 @@ ELSEWHERE = ["/tmp", "/var/tmp", "/dev/shm"]  # where the grading account's file
 KEPT_DATA = ("text/plain", "image/png")
 
 
-class SandboxedExecute(Execute):
-    """nbgrader's Execute, with the cells run as ``user`` in a scratch folder, under limits."""
+@functools.cache
+def step_class() -> type:
+    """The instructor's autograde step, :class:`SandboxedExecute` (defined on first use: nbgrader
+    takes seconds of CPU to import, and the sandbox's ``--end``, run twice per notebook, needs
+    none of it)."""
+    from nbgrader.preprocessors import Execute
+    from traitlets import Float, Integer, Unicode
 
-    user = Unicode("", help="the grading account: it may read no file of the course").tag(config=True)
-    memory_gib = Float(4.0, help="address space of the grading process and each of its children").tag(config=True)
-    wall_s = Integer(1800, help="the longest one notebook's grading may take, all cells together").tag(config=True)
-    max_output_mib = Integer(64, help="the most the sandbox may send back").tag(config=True)
+    class SandboxedExecute(Execute):
+        """nbgrader's Execute, with the cells run as ``user`` in a scratch folder, under limits."""
 
-    def preprocess(self, nb, resources):
-        import nbformat
+        user = Unicode("", help="the grading account: it may read no file of the course").tag(config=True)
+        memory_gib = Float(4.0, help="address space of the grading process and each of its children").tag(config=True)
+        wall_s = Integer(1800, help="the longest one notebook's grading may take, all cells together").tag(config=True)
+        max_output_mib = Integer(64, help="the most the sandbox may send back").tag(config=True)
 
-        if not self.user:
-            raise ValueError("SandboxedExecute.user is not set: name the class's grading account in "
-                             "nbgrader_config.py (python -m ddplab classroom writes it)")
-        request = {"notebook": nbformat.writes(nb), "timeout": self.timeout,
-                   "memory_bytes": int(self.memory_gib * 2**30),
-                   "env": {k: os.environ[k] for k in ("PYTHONPATH", "LANG", "OMP_NUM_THREADS") if k in os.environ}}
-        with _one_at_a_time(self.coursedir_lock()):
-            end_all(self.user)  # whatever an interrupted grading left running ends before this one
-            try:
-                back = run_as(self.user, json.dumps(request), self.wall_s, self.max_output_mib * 2**20)
-            finally:  # also when autograde is interrupted (Ctrl-C): no kernel outlives its grading
-                end_all(self.user)
-        executed = nbformat.reads(back, as_version=4)
-        if [c.get("id") for c in executed.cells] != [c.get("id") for c in nb.cells]:
-            raise RuntimeError("the sandbox sent back a notebook with other cells: graded nothing")
-        for mine, theirs in zip(nb.cells, executed.cells):
-            mine.pop("attachments", None)  # a markdown cell's attached files: nothing grading needs
-            if mine.cell_type == "code":  # outputs only: the sources and metadata stay the instructor's
-                mine.outputs = allowed(theirs.get("outputs", []))
-                mine.execution_count = theirs.get("execution_count")
-        return nb, resources
+        def preprocess(self, nb, resources):
+            import nbformat
 
-    def coursedir_lock(self) -> pathlib.Path:
-        """The course's lock file, in the course root the instructor's config names (never found
-        by looking for a config file near the submission, which a submission could carry)."""
-        from nbgrader.coursedir import CourseDirectory
+            if not self.user:
+                raise ValueError("SandboxedExecute.user is not set: name the class's grading account in "
+                                 "nbgrader_config.py (python -m ddplab classroom writes it)")
+            request = {"notebook": nbformat.writes(nb), "timeout": self.timeout,
+                       "memory_bytes": int(self.memory_gib * 2**30),
+                       "env": {k: os.environ[k] for k in ("PYTHONPATH", "LANG", "OMP_NUM_THREADS") if k in os.environ}}
+            with _one_at_a_time(self.coursedir_lock()):
+                end_all(self.user)  # whatever an interrupted grading left running ends before this one
+                try:
+                    back = run_as(self.user, json.dumps(request), self.wall_s, self.max_output_mib * 2**20)
+                finally:  # also when autograde is interrupted (Ctrl-C): no kernel outlives its grading
+                    end_all(self.user)
+            executed = nbformat.reads(back, as_version=4)
+            if [c.get("id") for c in executed.cells] != [c.get("id") for c in nb.cells]:
+                raise RuntimeError("the sandbox sent back a notebook with other cells: graded nothing")
+            for mine, theirs in zip(nb.cells, executed.cells):
+                mine.pop("attachments", None)  # a markdown cell's attached files: nothing grading needs
+                if mine.cell_type == "code":  # outputs only: the sources and metadata stay the instructor's
+                    mine.outputs = allowed(theirs.get("outputs", []))
+                    mine.execution_count = theirs.get("execution_count")
+            return nb, resources
 
-        return pathlib.Path(CourseDirectory(config=self.config).root).resolve() / ".autograde.lock"
+        def coursedir_lock(self) -> pathlib.Path:
+            """The course's lock file, in the course root the instructor's config names (never found
+            by looking for a config file near the submission, which a submission could carry)."""
+            from nbgrader.coursedir import CourseDirectory
+
+            return pathlib.Path(CourseDirectory(config=self.config).root).resolve() / ".autograde.lock"
+
+    return SandboxedExecute
+
+
+def __getattr__(name: str):
+    if name == "SandboxedExecute":  # gradebox.SandboxedExecute, as nbgrader's config names it
+        return step_class()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def allowed(outputs: list) -> list:
@@ -141,9 +155,10 @@ def _text(value) -> str:
 def configure(c, user: str, memory_gib: float) -> None:
     """The course's nbgrader config ``c``: autograde's Execute step becomes SandboxedExecute."""
     from nbgrader.converters import Autograde
+    from nbgrader.preprocessors import Execute
 
     steps = Autograde.class_traits()["autograde_preprocessors"].default()
-    c.Autograde.autograde_preprocessors = [SandboxedExecute if s is Execute else s for s in steps]
+    c.Autograde.autograde_preprocessors = [step_class() if s is Execute else s for s in steps]
     c.SandboxedExecute.user = user
     c.SandboxedExecute.memory_gib = memory_gib
 
@@ -274,13 +289,13 @@ def limit(memory_bytes: int) -> None:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     undumpable()  # first: before any code of a submission runs as this uid
+    if os.geteuid() == 0:  # and never ends "every process of mine" as root: kill(-1) would end all
+        print("the sandbox never runs as root", file=sys.stderr)
+        return 2
     if argv == ["--end"]:
         _kill_every_process_of_mine()
         remove_mine(os.getuid(), ELSEWHERE)
         return 0
-    if os.geteuid() == 0:
-        print("the sandbox never runs as root", file=sys.stderr)
-        return 2
     request = json.loads(sys.stdin.read())
     # The answer goes out on a private copy of stdout; the kernel and its ranks inherit
     # /dev/null as their stdout and stderr, so nothing they print can garble or flood it.
@@ -333,6 +348,7 @@ def scratch_env(scratch: pathlib.Path) -> dict[str, str]:
 def execute(text: str, folder: pathlib.Path, timeout: int) -> str:
     """nbgrader's Execute on the notebook in ``folder``; the executed notebook as text."""
     import nbformat
+    from nbgrader.preprocessors import Execute
 
     os.chdir(folder)
     nb = nbformat.reads(text, as_version=4)

@@ -305,6 +305,10 @@ def test_the_sandbox_makes_itself_undumpable_before_anything_else(monkeypatch):
     monkeypatch.setattr(gradebox, "undumpable", lambda: seen.append("undumpable"))
     monkeypatch.setattr(gradebox.os, "geteuid", lambda: 0)  # refused as root, after the prctl
     assert gradebox.main(["x"]) == 2 and seen == ["undumpable"]
+    # as root, --end would kill(-1) every process of the machine: refused too
+    monkeypatch.setattr(gradebox, "_kill_every_process_of_mine", lambda: seen.append("killed"))
+    monkeypatch.setattr(gradebox, "remove_mine", lambda uid, places: seen.append("removed"))
+    assert gradebox.main(["--end"]) == 2 and "killed" not in seen and "removed" not in seen
 
 
 def test_the_end_of_a_class_stops_learners_first_and_skips_huge_and_sparse_files(monkeypatch, tmp_path):
