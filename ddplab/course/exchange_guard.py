@@ -90,16 +90,24 @@ def inspect(path: str, uid: int) -> tuple[list[str], float]:
     todo = [(path, ".")]
     while todo:
         folder, shown = todo.pop()
-        with os.scandir(folder) as entries:
-            for entry in entries:
+        try:
+            entries = list(os.scandir(folder))
+        except OSError as e:  # a folder closed to the instructor: one learner's, not collect's, failure
+            problems.append(f"{shown} cannot be read ({e.strerror})")
+            continue
+        for entry in entries:
+            try:
                 st = entry.stat(follow_symlinks=False)
-                newest = max(newest, st.st_ctime)
-                here = os.path.join(shown, entry.name) if shown != "." else entry.name
-                why = wrong(st, here, uid)
-                if why:
-                    problems.append(why)
-                elif stat.S_ISDIR(st.st_mode):
-                    todo.append((entry.path, here))
+            except OSError as e:
+                problems.append(f"{entry.name} cannot be read ({e.strerror})")
+                continue
+            newest = max(newest, st.st_ctime)
+            here = os.path.join(shown, entry.name) if shown != "." else entry.name
+            why = wrong(st, here, uid)
+            if why:
+                problems.append(why)
+            elif stat.S_ISDIR(st.st_mode):
+                todo.append((entry.path, here))
     return problems, newest
 
 
@@ -203,7 +211,10 @@ class OwnedCollect(ExchangeCollect):
         self.written = {}
         for path in sorted(glob.glob(pattern)):
             record = self._path_to_record(path)
-            why, written = examine(path, record, now)
+            try:
+                why, written = examine(path, record, now)
+            except OSError as e:  # removed or closed meanwhile
+                why = f"it cannot be read ({e.strerror}): not collected"
             if why:
                 self.log.error("REFUSED %s: %s", record["filename"], why)
                 continue
@@ -227,7 +238,7 @@ class OwnedCollect(ExchangeCollect):
                                                        include=self.coursedir.include,
                                                        max_file_size=self.coursedir.max_file_size,
                                                        log=self.log))
-        except Unsafe as e:
+        except (Unsafe, OSError) as e:
             self.log.error("REFUSED %s: %s: not collected (it changed while being collected)", name, e)
             shutil.rmtree(dest, ignore_errors=True)  # our own copy: no link in it
             return

@@ -132,6 +132,23 @@ def collect(config, monkeypatch):
     return step
 
 
+@root_only
+def test_a_folder_collect_cannot_read_refuses_that_submission_only(tmp_path, monkeypatch):
+    sub = submission(tmp_path / "s")
+    (sub / "closed").mkdir()
+    os.lchown(sub / "closed", uid(), -1)
+    real_scandir = os.scandir
+
+    def scandir(path):  # root reads every folder: the instructor's EACCES, played
+        if str(path).endswith("closed"):
+            raise PermissionError(13, "Permission denied")
+        return real_scandir(path)
+
+    monkeypatch.setattr(exchange_guard.os, "scandir", scandir)
+    why = exchange_guard.refusal(str(sub), record(sub), now())
+    assert why and "closed cannot be read (Permission denied)" in why
+
+
 @pytest.mark.more  # nbgrader makes its gradebook (alembic): about 13 s here
 @root_only
 def test_collect_takes_the_honest_one_and_writes_its_true_time(tmp_path, caplog, monkeypatch):
