@@ -51,6 +51,7 @@ import json
 import os
 import pathlib
 import pwd
+import re
 import resource
 import shutil
 import signal
@@ -142,6 +143,8 @@ def allowed(outputs: list) -> list:
                                                traceback=[str(t) for t in out.get("traceback", [])]))
         elif kind in ("execute_result", "display_data"):
             data = {k: _text(v) for k, v in (out.get("data") or {}).items() if k in KEPT_DATA}
+            if not re.fullmatch(r"[A-Za-z0-9+/=\s]*", data.get("image/png", "")):
+                del data["image/png"]  # not base64: no image, whatever else it is
             if data:
                 extra = {"execution_count": out.get("execution_count")} if kind == "execute_result" else {}
                 kept.append(nbformat.v4.new_output(kind, data=data, **extra))

@@ -202,6 +202,7 @@ def test_only_plain_outputs_come_back_from_the_sandbox(monkeypatch, tmp_path):
         {"output_type": "execute_result", "execution_count": 1, "metadata": {"trusted": True},
          "data": {"text/plain": "3", "text/html": script, "image/png": "iVBORw0KGgo="}},
         {"output_type": "error", "ename": "CheckFailed", "evalue": "no", "traceback": ["t"]},
+        {"output_type": "display_data", "data": {"image/png": '"><script>x()</script>'}},
         {"output_type": "unknown", "data": {"text/html": script}},
     ]
     nb, _ = graded(monkeypatch, outputs)
