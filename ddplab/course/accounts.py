@@ -125,14 +125,8 @@ def processes_of(uid: int) -> list[int]:
     return found
 
 
-def delete(name: str) -> bool:
-    """Stop ``name``'s processes and remove the account, its group and its home.
-
-    Only accounts ddplab created are removed; returns False (and removes nothing) for others.
-    """
-    if not is_ours(name):
-        return False
-    uid = pwd.getpwnam(name).pw_uid
+def stop_processes(uid: int) -> None:
+    """Every process of ``uid`` asked to stop (SIGTERM), then killed after 5 s."""
     for sig in (signal.SIGTERM, signal.SIGKILL):
         for pid in processes_of(uid):
             try:
@@ -142,6 +136,16 @@ def delete(name: str) -> bool:
         end = time.monotonic() + 5
         while processes_of(uid) and time.monotonic() < end:
             time.sleep(0.1)
+
+
+def delete(name: str) -> bool:
+    """Stop ``name``'s processes and remove the account, its group and its home.
+
+    Only accounts ddplab created are removed; returns False (and removes nothing) for others.
+    """
+    if not is_ours(name):
+        return False
+    stop_processes(pwd.getpwnam(name).pw_uid)
     run = subprocess.run(["userdel", "--remove", name], capture_output=True, text=True)
     # userdel exits 12 when it removed the account but found no mail spool to remove
     if run.returncode not in (0, 12) or exists(name):

@@ -276,6 +276,9 @@ def course_config(course: pathlib.Path, exchange: pathlib.Path, grader: str | No
         "# A grader waits up to 40 s on a hung rank before it says so: above nbgrader's 30 s.",
         f"c.Execute.timeout = {CELL_TIMEOUT_S}",
         "# nbgrader autogrades one notebook at a time: one lab's ranks (3-4 processes) at once.",
+        "# Feedback and Formgrader pages leave out a submission's scripts: a learner's HTML output or",
+        "# markdown would otherwise run in your browser, logged in to the hub.",
+        "c.HTMLExporter.sanitize_html = True",
         *guarded,
         "",
     ])
@@ -353,6 +356,8 @@ def delete(args, parser) -> int:
     done = teardown.end_class(folder)
     if done["saved"]:
         print(f"saved the homes of {len(done['learners'])} learner(s) to {done['saved']} ({done['owner']}'s)")
+        for line in done["skipped"]:
+            print(f"  not saved: {line}")
     print(f"deleted {len(done['deleted'])} account(s) and their homes: {' '.join(done['deleted'])}")
     print(f"{done['disowned']} file(s) still owned by a deleted account given to {done['owner']} (the class "
           "folder, the exchange, /tmp, /var/tmp, /dev/shm): a later account with the same uid owns none")

@@ -3,7 +3,8 @@
 Teaches what ``userdel --remove`` leaves behind and why it matters on a shared server:
 
 - it removes the home, and with it every notebook a learner never submitted: :func:`save_homes`
-  first copies each learner's home (links as links, never followed; caches left out) into
+  first ends the learner's processes, then copies their home (links as links, never followed;
+  caches, FIFOs, files over 256 MiB and sparse files left out, the last two named) into
   ``course/saved-homes/<learner>/``, which only the instructor (or root) reads;
 - it frees the uid, and the next account ``useradd`` creates may get the same number: every
   file still carrying it (in the class folder, the exchange, /tmp, /var/tmp, /dev/shm) would
@@ -32,20 +33,35 @@ from ddplab.course import accounts
 CACHES = shutil.ignore_patterns(".cache", "runtime", "__pycache__", ".ipynb_checkpoints", "*.pyc")
 
 
-def skip(folder: str, names: list[str]) -> set[str]:
-    """Caches, and anything but folders, files and links: a FIFO a learner left would hang the copy."""
+MAX_FILE_BYTES = 256 << 20  # a learner's file above this is not saved (a dataset, a checkpoint, a bomb)
+SPARSE_BELOW = 8  # a file holding less than 1/8 of its size on disk is sparse: not saved
+
+
+def skip(folder: str, names: list[str], said: list[str] | None = None) -> set[str]:
+    """Caches, and anything but folders, files and links: a FIFO a learner left would hang the
+    copy; files above MAX_FILE_BYTES or sparse (a 1 TB file of holes would fill the disk when
+    copied), each of those named in ``said``."""
     import stat
 
     odd = set()
     for name in names:
         try:
-            mode = os.lstat(os.path.join(folder, name)).st_mode
+            st = os.lstat(os.path.join(folder, name))
         except OSError:
             odd.add(name)
             continue
+        mode = st.st_mode
         if not (stat.S_ISDIR(mode) or stat.S_ISREG(mode) or stat.S_ISLNK(mode)):
             odd.add(name)
+        elif stat.S_ISREG(mode) and (st.st_size > MAX_FILE_BYTES or
+                                     (st.st_size > 1 << 20 and st.st_blocks * 512 * SPARSE_BELOW < st.st_size)):
+            odd.add(name)
+            why = "sparse" if st.st_blocks * 512 * SPARSE_BELOW < st.st_size else f"over {MAX_FILE_BYTES >> 20} MiB"
+            if said is not None:
+                said.append(f"{os.path.join(folder, name)} ({st.st_size >> 20} MiB, {why})")
     return set(CACHES(folder, names)) | odd
+
+
 ELSEWHERE = [pathlib.Path("/tmp"), pathlib.Path("/var/tmp"), pathlib.Path("/dev/shm")]
 
 
@@ -55,14 +71,21 @@ def recorded(folder: pathlib.Path) -> list[str]:
     return [n for n in record.read_text().split() if accounts.is_ours(n)] if record.exists() else []
 
 
-def save_homes(folder: pathlib.Path, learners: list[str], owner: int) -> pathlib.Path:
-    """Each learner's home copied to course/saved-homes/<learner>/, given to ``owner``."""
+def save_homes(folder: pathlib.Path, learners: list[str], owner: int,
+               skipped: list[str] | None = None) -> pathlib.Path:
+    """Each learner's home copied to course/saved-homes/<learner>/, given to ``owner``; their
+    processes end first (a running one could grow or swap a file during the copy); the files
+    left out for their size are added to ``skipped``."""
     target = pathlib.Path(folder) / "course" / "saved-homes"
     target.mkdir(mode=0o700, parents=True, exist_ok=True)
+    said = [] if skipped is None else skipped
     for name in learners:
-        home = pathlib.Path(pwd.getpwnam(name).pw_dir)
+        entry = pwd.getpwnam(name)
+        accounts.stop_processes(entry.pw_uid)
+        home = pathlib.Path(entry.pw_dir)
         if home.is_dir():
-            shutil.copytree(home, target / name, symlinks=True, ignore=skip, dirs_exist_ok=True)
+            shutil.copytree(home, target / name, symlinks=True, dirs_exist_ok=True,
+                            ignore=lambda d, names: skip(d, names, said))
     for path in [target, *target.rglob("*")]:
         os.lchown(path, owner, owner)
     return target
@@ -112,7 +135,8 @@ def end_class(folder: pathlib.Path) -> dict:
     keeps = instructor and instructor not in names and accounts.exists(instructor)
     owner = pwd.getpwnam(instructor).pw_uid if keeps else 0
     ids = {n: (pwd.getpwnam(n).pw_uid, pwd.getpwnam(n).pw_gid) for n in names}
-    saved = save_homes(folder, learners, owner) if learners else None
+    skipped: list[str] = []
+    saved = save_homes(folder, learners, owner, skipped) if learners else None
     gone = safety.delete_accounts(folder)  # their processes end first
     from ddplab.course import limits
 
@@ -123,5 +147,5 @@ def end_class(folder: pathlib.Path) -> dict:
     places = [folder, *([pathlib.Path(exchange)] if exchange else []), *ELSEWHERE]
     freed = [ids[n] for n in gone]
     changed = disown({u for u, _ in freed}, {g for _, g in freed}, owner, places)
-    return {"deleted": gone, "saved": saved, "learners": learners, "disowned": changed,
+    return {"deleted": gone, "saved": saved, "learners": learners, "disowned": changed, "skipped": skipped,
             "owner": instructor if keeps else "root"}

@@ -41,7 +41,8 @@ def test_collect_refuses_another_owner_and_a_future_date(tmp_path):
     assert f"claims to be someoneelse's but was written by {me}: not collected" in said
     future = exchange_guard.refusal(str(path), record(me, datetime.datetime(2099, 1, 1)), NOW)
     assert "dated 2099-01-01 00:00:00 UTC, later than now: not collected" in future
-    assert exchange_guard.refusal(str(path), record(me, datetime.datetime(2026, 11, 27, 12, 0, 30)), NOW) is None
+    written = datetime.datetime.now(datetime.timezone.utc)  # its name's date agrees with when it was written
+    assert exchange_guard.refusal(str(path), record(me, written.replace(tzinfo=None)), written) is None
 
 
 def test_collect_keeps_nbgraders_due_date_rule():
@@ -69,6 +70,8 @@ def test_the_sandbox_sends_back_outputs_only(monkeypatch, tmp_path):
         return nbformat.writes(back)
 
     monkeypatch.setattr(gradebox, "run_as", forged)
+    monkeypatch.setattr(gradebox, "end_all", lambda user: None)  # no real account's processes ended here
+    monkeypatch.chdir(tmp_path)  # nbgrader's default course root: the lock file goes there
     step = gradebox.SandboxedExecute(user="nobody")
     out, _ = step.preprocess(nb, {"metadata": {"path": str(tmp_path)}})
     mine = next(c for c in out.cells if c.id == grader.id)
@@ -79,6 +82,8 @@ def test_the_sandbox_sends_back_outputs_only(monkeypatch, tmp_path):
 def test_a_sandbox_that_changes_the_cells_grades_nothing(monkeypatch, tmp_path):
     nb = room.exercise()
     monkeypatch.setattr(gradebox, "run_as", lambda *a: nbformat.writes(nbformat.v4.new_notebook()))
+    monkeypatch.setattr(gradebox, "end_all", lambda user: None)
+    monkeypatch.chdir(tmp_path)
     with pytest.raises(RuntimeError, match="other cells: graded nothing"):
         gradebox.SandboxedExecute(user="nobody").preprocess(nb, {"metadata": {"path": str(tmp_path)}})
 
@@ -103,6 +108,10 @@ def test_the_default_class_grades_in_the_sandbox_and_collects_guarded(tmp_path):
     assert ExchangeFactory(config=config).collect is exchange_guard.OwnedCollect
     trusted = load(classroom.course_config(tmp_path, tmp_path / "x"), tmp_path)
     assert gradebox.SandboxedExecute not in Autograde(config=trusted).autograde_preprocessors
+    from nbconvert import HTMLExporter
+
+    for each in (config, trusted):  # a submission's scripts never run in the instructor's browser
+        assert HTMLExporter(config=each).sanitize_html is True
 
 
 @pytest.mark.skipif(not shutil.which("visudo"), reason="visudo (sudo) is not installed")

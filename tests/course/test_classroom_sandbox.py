@@ -15,15 +15,15 @@ as their servers' terminals would. Lab 00, two learners:
    collect refuses both, with ERROR lines naming who wrote them, and collects the real ones.
 4. The instructor autogrades (plain `nbgrader autograde`, as the instructor, through sudo):
    nothing was copied, the cells ran as the grading account, the 10 GiB were refused
-   (MemoryError: the sandbox's limit), the `sleep` is gone, and the scores are right:
-   sbxann full marks, sbxbob 0.
+   (MemoryError: the sandbox's limit), the `sleep` is gone, the folder the cells made in /tmp
+   is gone, and the scores are right: sbxann full marks, sbxbob 0.
 5. Where cgroup v1 is writable: the hub starts sbxann's server (its API, no browser), which
    serves no Formgrader (404); the server runs in sbxann's groups with the class's limits; a
    CPU burner of sbxann's in those groups, in a session of its own, dies when the hub stops the
    server, and the groups go with it.
 6. --delete-accounts refuses without --yes (no terminal to ask); with it, sbxbob's home is
-   saved under course/saved-homes/ and no file in the class folder or /tmp keeps a deleted
-   account's uid or gid.
+   saved under course/saved-homes/ and no file in the class folder or /tmp (a folder sbxbob
+   left there) keeps a deleted account's uid or gid.
 
 Runs under make test-hub as root, from an environment other accounts can run (.venv-hub).
 """
@@ -202,12 +202,17 @@ def test_graded_as_nobody_collected_only_from_its_owner_exchange_the_instructors
         scores = room.scores(course, list(LEARNERS))
         assert scores == {"sbxann": float(sum(room.points().values())), "sbxbob": 0.0}, scores
         assert not list((folder / "homes" / GRADER).glob("grading-*")), "the scratch folder was left"
+        assert not dest.exists(), "the grading account's folder in /tmp outlived the grading"
         # 5. a learner's server in their cgroups, and nothing of theirs left when it stops
         if set(limits.writable()) == set(limits.CONTROLLERS) and PROXY.exists():
             burner_dies_with_the_server(folder, "sbxann")
         # 6. the end of the class: asked first, homes saved, no file left to a freed uid
         uids = {pwd.getpwnam(n).pw_uid for n in [*LEARNERS, INSTRUCTOR, GRADER]}
         gids = {pwd.getpwnam(n).pw_gid for n in [*LEARNERS, INSTRUCTOR, GRADER]}
+        # a learner's file left in /tmp: the end of the class gives it to root
+        left_by = room.as_user("sbxbob", folder / "homes" / "sbxbob", sys.executable, "-c",
+                               f"import os; os.makedirs({str(dest)!r})")
+        assert left_by.returncode == 0, left_by.stderr
         asked = room.classroom(folder, "--delete-accounts")
         assert asked.returncode != 0 and "add --yes to confirm" in asked.stderr, asked.stderr
         assert accounts.exists("sbxann")
@@ -218,7 +223,7 @@ def test_graded_as_nobody_collected_only_from_its_owner_exchange_the_instructors
         owned = [str(p) for p in [folder, dest, *folder.rglob("*"), *dest.rglob("*")]
                  if p.lstat().st_uid in uids or p.lstat().st_gid in gids]
         assert not owned, f"files left to deleted accounts' ids: {owned[:5]}"
-        assert dest.stat().st_uid == 0  # the grading account's folder in /tmp: root's now
+        assert dest.stat().st_uid == 0  # the learner's folder in /tmp: root's now
         assert not list(limits.BASE.glob(f"*/ddplab/{limits.class_name(folder)}")), "the class's cgroups were left"
     finally:
         room.classroom(folder, "--delete-accounts", "--yes")
