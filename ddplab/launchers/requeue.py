@@ -137,7 +137,8 @@ class Resumable:
         self.step = int(state["step"])
         if _rank() == 0:
             attempt = int(os.environ.get("SLURM_RESTART_COUNT") or 0) + 1
-            print(f"ddplab: attempt {attempt}: resumed from {self.path} at step {self.step}", flush=True)
+            said = f"attempt {attempt}: " if slurm_job() else ""  # a job's attempts; elsewhere none counted
+            print(f"ddplab: {said}resumed from {self.path} at step {self.step}", flush=True)
         return self.step
 
     def steps(self, total: int):

@@ -173,13 +173,13 @@ def init_from_env(backend: str = "auto", timeout: float | None = None,
 
 def slurm_task_of(launcher: str, environ) -> str | None:
     """The Slurm job this process runs as a task of, or None: srun started it (``launcher``
-    "slurm"), or torchrun did inside a step of the job (srun ... torchrun). A kernel in a
-    Slurm job (batchspawner) and its Cluster's ranks carry SLURM_JOB_ID too, but join no
-    group through here."""
+    "slurm"), mpirun did in the job (Open MPI's ranks), or torchrun did inside a step of the
+    job (srun ... torchrun). A kernel in a Slurm job (batchspawner) and its Cluster's ranks
+    carry SLURM_JOB_ID too, but join no group through here."""
     job = environ.get("SLURM_JOB_ID")
     if not job:
         return None
-    if launcher == "slurm" or (environ.get("SLURM_STEP_ID") and environ.get("TORCHELASTIC_RUN_ID")):
+    if launcher in ("slurm", "openmpi") or (environ.get("SLURM_STEP_ID") and environ.get("TORCHELASTIC_RUN_ID")):
         return job
     return None
 

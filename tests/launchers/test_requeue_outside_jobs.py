@@ -57,6 +57,7 @@ def test_only_a_task_of_the_jobs_step_is_slurms():
     job = {"SLURM_JOB_ID": "5"}
     assert torchrun.slurm_task_of("none", job) is None  # the kernel (and its ranks) in a job
     assert torchrun.slurm_task_of("slurm", dict(job, SLURM_PROCID="0")) == "5"  # srun python train.py
+    assert torchrun.slurm_task_of("openmpi", dict(job, OMPI_COMM_WORLD_RANK="0")) == "5"  # mpirun in the job
     under_srun = dict(job, SLURM_STEP_ID="0", TORCHELASTIC_RUN_ID="5")
     assert torchrun.slurm_task_of("torchrun", under_srun) == "5"  # srun ... torchrun train.py
     assert torchrun.slurm_task_of("torchrun", dict(job, TORCHELASTIC_RUN_ID="x")) is None
