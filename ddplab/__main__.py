@@ -21,7 +21,10 @@ def main(argv=None) -> int:
     view.add_arguments(see)
     from ddplab.course import classroom
 
-    room = sub.add_parser("classroom", help="a JupyterHub + nbgrader set-up for a class on one server")
+    what = "a JupyterHub + nbgrader set-up for a class: learners' servers on this machine or as Slurm jobs"
+    room = sub.add_parser("classroom", help=what, description=(
+        f"{what}. --spawner local (the default) or systemd runs every learner's JupyterLab on this server; "
+        "--spawner slurm submits each one as a Slurm job on the cluster's nodes (docs/hpc.md)."))
     classroom.add_arguments(room)
     args = parser.parse_args(argv)
     if args.command == "classroom":

@@ -1,4 +1,4 @@
-"""``python -m ddplab classroom``: a class on one server, from a few options, into one folder.
+"""``python -m ddplab classroom``: a class on one server or on Slurm, from a few options, into one folder.
 
 Teaches how the Jupyter ecosystem's own parts fit a ddplab workshop, safely by default:
 JupyterHub (with configurable-http-proxy, PAM log-in, a spawner and jupyterhub-idle-culler)

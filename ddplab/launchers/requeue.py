@@ -19,7 +19,16 @@ On the ranks:
   every rank waits for it (a barrier), rank 0 asks Slurm to requeue the job
   (``scontrol requeue $SLURM_JOB_ID``) and the ranks leave. The requeued job
   keeps its id, finds the checkpoint under that id and starts at its step.
-  The same loop in a notebook (no Slurm) is a plain ``range`` from 0.
+  The same loop in a notebook is a plain ``range`` from 0, also where the
+  kernel itself runs in a Slurm job (a JupyterLab that batchspawner started):
+  only a process that ``init_from_env`` joined as a task of the job's step
+  (``srun``, or ``torchrun`` under ``srun``) counts as Slurm's (``adopt_job``);
+  a Cluster's ranks never do, whatever SLURM_JOB_ID says, so they never
+  requeue the learner's JupyterLab job.
+- Given a ``path`` outside a Slurm task (plain torchrun), a signalled loop
+  saves, says that there is no job to requeue and where the checkpoint is, and
+  every rank exits with ``EXIT_RUN_AGAIN`` (75, EX_TEMPFAIL): the run did not
+  finish, and running it again resumes at the saved step.
 
 What a step uses besides the weights and the optimizer must come back too: draw
 each step's batch from its step number (a generator seeded with the step and
@@ -47,6 +56,21 @@ from pathlib import Path
 SIGNAL = signal.SIGUSR1
 _asked: list[int] = []  # the signals this process received (a handler may only note)
 _listening = False
+_job: str | None = None  # the Slurm job this process is a task of (adopt_job); None: not Slurm's
+EXIT_RUN_AGAIN = 75  # sysexits' EX_TEMPFAIL: stopped early on purpose, run again to resume
+
+
+def adopt_job(job: str | None) -> None:
+    """Mark this process as a task of Slurm job ``job`` (init_from_env under srun, or torchrun
+    in a job's step): its Resumable loops then checkpoint under the job and requeue it."""
+    global _job
+    _job = job or None
+
+
+def slurm_job() -> str | None:
+    """The job this process is a task of; None in a notebook and its Cluster's ranks, even
+    where the kernel runs inside a Slurm job (SLURM_JOB_ID set)."""
+    return _job
 
 
 def _note(signum, frame) -> None:
@@ -90,7 +114,9 @@ class Resumable:
     def __init__(self, model, optimizer=None, path=None):
         self.model = getattr(model, "module", model)  # DDP's keys say module.<name>: save the plain ones
         self.optimizer = optimizer
-        self.path = Path(path) if path is not None else default_path()
+        # Only a task of a Slurm job names its checkpoint after the job; elsewhere (a notebook,
+        # a Cluster's ranks, plain torchrun) no path means a plain range, with no all-reduce.
+        self.path = Path(path) if path is not None else (default_path() if slurm_job() else None)
         self.step = 0
         if self.path is not None:
             listen()
@@ -111,7 +137,8 @@ class Resumable:
         self.step = int(state["step"])
         if _rank() == 0:
             attempt = int(os.environ.get("SLURM_RESTART_COUNT") or 0) + 1
-            print(f"ddplab: attempt {attempt}: resumed from {self.path} at step {self.step}", flush=True)
+            said = f"attempt {attempt}: " if slurm_job() else ""  # a job's attempts; elsewhere none counted
+            print(f"ddplab: {said}resumed from {self.path} at step {self.step}", flush=True)
         return self.step
 
     def steps(self, total: int):
@@ -151,12 +178,18 @@ class Resumable:
             dist.barrier()  # nobody leaves (or is requeued) before the file is complete
 
     def requeue_and_leave(self) -> None:
-        """Rank 0 asks Slurm to requeue this job; every rank then leaves."""
+        """Rank 0 asks Slurm to requeue this job; every rank then leaves. Outside a Slurm task
+        nothing is requeued: every rank exits with EXIT_RUN_AGAIN, saying how to resume."""
         import torch.distributed as dist
 
         code = 0
-        job = os.environ.get("SLURM_JOB_ID")
-        if _rank() == 0 and job:
+        job = slurm_job()
+        if job is None:
+            code = EXIT_RUN_AGAIN
+            if _rank() == 0:
+                print(f"ddplab: no Slurm job to requeue: checkpoint at step {self.step} in {self.path}; "
+                      f"run again to resume (exit code {code}).", file=sys.stderr, flush=True)
+        elif _rank() == 0:
             done = subprocess.run(["scontrol", "requeue", job], capture_output=True, text=True, check=False)
             if done.returncode != 0:
                 code = 1

@@ -127,16 +127,18 @@ def init_from_env(backend: str = "auto", timeout: float | None = None,
     """
     port_set = bool(os.environ.get("MASTER_PORT"))  # by the user (or torchrun), not derived from the job
     launcher = schedulers.adopt()  # Slurm's or Open MPI's variables, as torchrun's (when RANK is not set)
-    if launcher == "slurm" or os.environ.get("SLURM_JOB_ID"):
-        # Slurm's warning before the time limit (the batch file's --signal=USR1@90) would
-        # kill the task: note it instead, for a ddplab.Resumable loop to save and requeue.
-        requeue.listen()
     env = read_env()  # a wrong launch fails here, before the seconds torch takes to import
     import torch
     import torch.distributed as dist
 
-    if dist.is_initialized():
+    if dist.is_initialized():  # a Cluster's rank (or a second call): not a task of a Slurm job
         return current_env()
+    job = slurm_task_of(launcher, os.environ)
+    if job:
+        # Slurm's warning before the time limit (the batch file's --signal=USR1@90) would
+        # kill the task: note it instead, for a ddplab.Resumable loop to save and requeue.
+        requeue.listen()
+        requeue.adopt_job(job)
     # Ranks share this machine's GPUs and cores, not the whole job's: count local ranks.
     # A launcher that gives each process one GPU of its own (CUDA_VISIBLE_DEVICES=<its GPU>)
     # leaves every process seeing one GPU, its GPU 0: that is one GPU per rank too.
@@ -167,6 +169,19 @@ def init_from_env(backend: str = "auto", timeout: float | None = None,
     stragglers.watch(observing_group(), env["rank"], env["world_size"], env["master_addr"],
                      env["master_port"])
     return current_env()
+
+
+def slurm_task_of(launcher: str, environ) -> str | None:
+    """The Slurm job this process runs as a task of, or None: srun started it (``launcher``
+    "slurm"), mpirun did in the job (Open MPI's ranks), or torchrun did inside a step of the
+    job (srun ... torchrun). A kernel in a Slurm job (batchspawner) and its Cluster's ranks
+    carry SLURM_JOB_ID too, but join no group through here."""
+    job = environ.get("SLURM_JOB_ID")
+    if not job:
+        return None
+    if launcher in ("slurm", "openmpi") or (environ.get("SLURM_STEP_ID") and environ.get("TORCHELASTIC_RUN_ID")):
+        return job
+    return None
 
 
 AGREE_KEY = "ddplab/backend"
@@ -243,6 +258,14 @@ def warn_if_taken(gpu: int, rank: int) -> str | None:
     return msg
 
 
+def in_ipython() -> bool:
+    """Is this process an IPython shell or a Jupyter kernel?"""
+    ipython = sys.modules.get("IPython")
+    if ipython is not None and getattr(ipython, "get_ipython", lambda: None)() is not None:
+        return True
+    return any("ipykernel" in arg for arg in sys.argv[:3])  # the kernel, before IPython is set up
+
+
 def local_gpu(local_rank: int, local_world_size: int, visible: int) -> tuple[int, int]:
     """(this rank's GPU index, GPUs counted for the backend choice) on its machine."""
     if visible == 1 and local_world_size > 1 and os.environ.get("CUDA_VISIBLE_DEVICES"):
@@ -306,13 +329,16 @@ def finish(code: int = 0, exit: bool | None = None) -> None:
     the top level of the ``__main__`` script (the exported script's last line)
     and otherwise returns once the group is gone, so that a caller (submitit's
     runner, a function of yours) gets its result back. ``exit=True``/``False``
-    decides it yourself.
+    decides it yourself. In IPython or Jupyter it never exits, whatever
+    ``exit`` says: a cell runs in ``__main__`` too, and exiting would end the kernel.
     """
     import torch.distributed as dist
 
     if exit is None:
         caller = sys._getframe(1)
         exit = caller.f_code.co_name == "<module>" and caller.f_globals.get("__name__") == "__main__"
+    if exit and in_ipython():
+        exit = False  # a cell's top level is __main__ too: exiting would end the kernel
     failure = None
     try:
         sys.stdout.flush()

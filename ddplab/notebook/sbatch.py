@@ -67,6 +67,8 @@ def check(opts: BatchOptions) -> BatchOptions:
         raise ValueError("--nodes takes 1 or more, --gpus-per-node 0 (a CPU job) or more")
     if not re.fullmatch(r"(\d+-)?\d+(:\d+){0,2}", opts.time):
         raise ValueError(f"--time {opts.time!r}: Slurm takes MINUTES, HH:MM:SS or D-HH:MM:SS")
+    if opts.ntasks_per_node is not None and opts.ntasks_per_node < 1:
+        raise ValueError(f"--ntasks-per-node {opts.ntasks_per_node}: it takes 1 or more (the ranks per node)")
     per_node = opts.ntasks_per_node or opts.gpus_per_node or 1
     if opts.gpus_per_node and per_node != opts.gpus_per_node:
         raise ValueError(f"--ntasks-per-node {per_node} with --gpus-per-node {opts.gpus_per_node}: "
@@ -76,7 +78,29 @@ def check(opts: BatchOptions) -> BatchOptions:
         raise ValueError("--ntasks-per-node takes 1 or more")
     if opts.warn_s < 0 or opts.warn_s > 65535:
         raise ValueError(f"--warn-s {opts.warn_s}: Slurm's --signal takes 0 to 65535 seconds before the limit")
+    limit = seconds(opts.time)
+    if opts.warn_s and limit and limit < opts.warn_s + 60:
+        raise ValueError(
+            f"--time {opts.time} ({limit} s) with --warn-s {opts.warn_s}: every attempt would be warned "
+            f"{max(limit - opts.warn_s, 0)} s after it starts, save after a step and requeue, never getting "
+            f"far. Give --time at least {opts.warn_s + 60} s (--warn-s plus a minute), or a smaller --warn-s "
+            "(0: no warning).")
     return opts._replace(ntasks_per_node=per_node)
+
+
+def seconds(time: str) -> int:
+    """Slurm's --time in seconds (0: no limit). MINUTES, MINUTES:SECONDS, HOURS:MINUTES:SECONDS,
+    DAYS-HOURS, DAYS-HOURS:MINUTES or DAYS-HOURS:MINUTES:SECONDS, as sbatch(1) reads them."""
+    days, _, rest = time.rpartition("-")
+    parts = [int(p) for p in rest.split(":")]
+    if days:
+        h, m, s = (parts + [0, 0])[:3]
+        return ((int(days) * 24 + h) * 60 + m) * 60 + s
+    if len(parts) == 1:
+        return parts[0] * 60
+    if len(parts) == 2:
+        return parts[0] * 60 + parts[1]
+    return (parts[0] * 60 + parts[1]) * 60 + parts[2]
 
 
 MAGIC_OPTIONS = [  # %ddp_export's options for the batch file
@@ -112,11 +136,21 @@ def from_magic(args, world_size: int, ran_on: str = "gloo", asked: str = "auto")
 
     if not args.sbatch:
         return None
+    if args.nodes < 1:  # before anything divides by it
+        raise UsageError("--nodes takes 1 or more, --gpus-per-node 0 (a CPU job) or more")
     on_gpus = ran_on == "nccl"
+    if args.on_gpus and not on_gpus and not args.gpus_per_node:
+        unsaid = "--gpus-per-node 0 asks for none" if args.gpus_per_node == 0 else "no --gpus-per-node says how many"
+        raise UsageError(
+            f"--on-gpus asks for GPU nodes, but {unsaid}: "
+            f"add --gpus-per-node N, one GPU per rank (e.g. {_shape_for(world_size, 1, args.nodes)}), "
+            "or drop --on-gpus for a CPU job.")
     gpus = (world_size if on_gpus else 0) if args.gpus_per_node is None else args.gpus_per_node
     if gpus and not on_gpus and not (args.on_gpus and asked == "auto"):
         raise UsageError(_cpu_notebook_gpus(gpus, asked))
-    per_node = args.ntasks_per_node or (None if gpus else (world_size + args.nodes - 1) // args.nodes)
+    per_node = args.ntasks_per_node
+    if per_node is None and not gpus:
+        per_node = (world_size + args.nodes - 1) // args.nodes
     try:
         opts = check(BatchOptions(args.nodes, gpus, per_node, args.time, args.partition, args.launcher,
                                   warn_s=args.warn_s))
@@ -127,15 +161,18 @@ def from_magic(args, world_size: int, ran_on: str = "gloo", asked: str = "auto")
         raise UsageError(
             f"the job would have {ranks} ranks ({opts.nodes} node(s) x {opts.ntasks_per_node}), the notebook "
             f"had {world_size}: each rank's batches and the averages would differ, and so would every "
-            f"number the script prints. Ask for {world_size} ranks (e.g. {_shape_for(world_size, gpus)}), "
+            f"number the script prints. Ask for {world_size} ranks (e.g. "
+            f"{_shape_for(world_size, gpus, args.nodes)}), "
             "or add --other-world-size to run at another size on purpose.")
     return opts
 
 
-def _shape_for(world_size: int, gpus: int) -> str:
+def _shape_for(world_size: int, gpus: int, nodes: int = 1) -> str:
+    """Options for ``world_size`` ranks: on the user's ``nodes`` where the ranks divide evenly."""
+    nodes = nodes if nodes >= 1 and world_size % nodes == 0 else 1
     if gpus:
-        return f"--nodes 1 --gpus-per-node {world_size}"
-    return f"--nodes 1 --gpus-per-node 0 --ntasks-per-node {world_size}"
+        return f"--nodes {nodes} --gpus-per-node {world_size // nodes}"
+    return f"--nodes {nodes} --gpus-per-node 0 --ntasks-per-node {world_size // nodes}"
 
 
 def _cpu_notebook_gpus(gpus: int, asked: str) -> str:

@@ -275,9 +275,9 @@ def test_a_job_of_another_shape_than_the_notebook_is_refused_saying_what_to_pass
     def opts(line, world=2, ran_on="gloo", asked="auto"):
         return sbatch.from_magic(parse_argstring(DDPMagics.ddp_export, line), world, ran_on, asked)
 
-    # 2 tasks per node on 2 nodes: world size 4 for a 2-rank notebook
+    # 2 tasks per node on 2 nodes: world size 4 for a 2-rank notebook; the user's 2 nodes kept
     with pytest.raises(UsageError, match=r"the job would have 4 ranks \(2 node\(s\) x 2\), the notebook had 2"
-                                         r"(.|\n)*--nodes 1 --gpus-per-node 0 --ntasks-per-node 2"
+                                         r"(.|\n)*--nodes 2 --gpus-per-node 0 --ntasks-per-node 1"
                                          r"(.|\n)*--other-world-size"):
         opts("t.py --sbatch --nodes 2 --gpus-per-node 0 --ntasks-per-node 2")
     assert opts("t.py --sbatch --nodes 2 --gpus-per-node 0 --ntasks-per-node 2 --other-world-size").nodes == 2
