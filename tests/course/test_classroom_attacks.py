@@ -26,6 +26,8 @@ import nbformat
 import pytest
 from traitlets.config import Config
 
+pytest.importorskip("nbgrader", reason="the classroom's tests need nbgrader (the [test] extra)")
+
 from ddplab.course import exchange_guard, gradebox
 
 root_only = pytest.mark.skipif(os.geteuid() != 0, reason="hands files to another account: root only")

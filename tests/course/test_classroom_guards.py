@@ -24,6 +24,8 @@ import _classroom as room
 import nbformat
 import pytest
 
+pytest.importorskip("nbgrader", reason="the classroom's tests need nbgrader (the [test] extra)")
+
 from ddplab.course import classroom, exchange_guard, gradebox, safety
 
 NOW = datetime.datetime(2026, 11, 27, 12, 0, tzinfo=datetime.timezone.utc)
