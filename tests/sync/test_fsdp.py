@@ -15,6 +15,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
+from _dtensor import full_tensor as _full_tensor
 from torch import nn
 
 from ddplab.sync import core
@@ -151,18 +152,6 @@ def _torch_fully_shard(kind, steps):
         opt.step()
         out.append({n: _full_tensor(p) for n, p in model.named_parameters()})
     return out
-
-
-def _full_tensor(p):
-    """A DTensor sharded on dim 0, gathered by hand: ``full_tensor()`` makes a coalesced
-    all-gather that gloo does not have (through the observing group)."""
-    local, ws = p.to_local().detach(), dist.get_world_size()
-    rows = -(-p.shape[0] // ws)  # fully_shard's chunks: the last ones short or empty
-    padded = torch.zeros((rows, *p.shape[1:]))
-    padded[:local.shape[0]] = local
-    out = torch.empty((rows * ws, *p.shape[1:]))
-    dist.all_gather_single(out, padded)
-    return out[:p.shape[0]]
 
 
 def _compare(kind, dtype=None):

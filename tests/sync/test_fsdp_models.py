@@ -18,6 +18,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
+from _dtensor import full_tensor as _full_tensor
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
@@ -121,17 +122,6 @@ def _ours(kind, dtype=None):
         out.append(fsdp.full_parameters())
     out[-1]["seen"] = fsdp.module.gate.__dict__.get("seen")
     return out
-
-
-def _full_tensor(p):
-    """A DTensor sharded on dim 0, gathered by hand (gloo has no coalesced all-gather)."""
-    local, ws = p.to_local().detach(), dist.get_world_size()
-    rows = -(-p.shape[0] // ws)
-    padded = torch.zeros((rows, *p.shape[1:]))
-    padded[:local.shape[0]] = local
-    out = torch.empty((rows * ws, *p.shape[1:]))
-    dist.all_gather_single(out, padded)
-    return out[:p.shape[0]]
 
 
 def _torch_fully_shard(kind, dtype=None):

@@ -19,6 +19,7 @@ import warnings
 import pytest
 import torch
 import torch.distributed as dist
+from _dtensor import full_tensor as _full_tensor
 from torch import nn
 
 from ddplab.sync import core
@@ -60,17 +61,6 @@ def _batch(step, rank=None, world_size=None):
 
 def _sgd(params):
     return torch.optim.SGD(list(params), lr=0.1, momentum=0.9)
-
-
-def _full_tensor(p):
-    """A DTensor sharded on dim 0, gathered by hand (gloo has no coalesced all-gather)."""
-    local, ws = p.to_local().detach(), dist.get_world_size()
-    rows = -(-p.shape[0] // ws)
-    padded = torch.zeros((rows, *p.shape[1:]))
-    padded[:local.shape[0]] = local
-    out = torch.empty((rows * ws, *p.shape[1:]))
-    dist.all_gather_single(out, padded)
-    return out[:p.shape[0]]
 
 
 DEFAULT = (nn.Linear, nn.Embedding, nn.MultiheadAttention)
