@@ -55,6 +55,8 @@ from __future__ import annotations
 
 import os
 import sys
+import threading
+import time
 from typing import NamedTuple
 
 from ddplab.launchers import jobstore, requeue, schedulers, stragglers
@@ -323,7 +325,9 @@ def finish(code: int = 0, exit: bool | None = None) -> None:
     Exiting through the interpreter's teardown with a live gloo group can
     abort the process ("terminate called without an active exception"), and
     torchrun would report the run as failed. So the rank destroys the group
-    and leaves by ``os._exit``, as the Cluster's ranks do.
+    and leaves by ``os._exit``, as the Cluster's ranks do, once the threads the
+    interpreter would have waited for are done (a recording's files are written
+    on one).
 
     That exit is only for the script's end: ``exit=None`` exits when called at
     the top level of the ``__main__`` script (the exported script's last line)
@@ -354,6 +358,17 @@ def finish(code: int = 0, exit: bool | None = None) -> None:
         sys.stdout.flush()
         sys.stderr.flush()
         if exit:
+            _wait_for_threads()
             os._exit(code)
     if failure is not None:
         raise failure
+
+
+def _wait_for_threads(limit_s: float = 120.0) -> None:
+    """What the interpreter waits for at a normal exit and ``os._exit`` would cut short: the
+    threads that are not daemons (``ddplab.record`` writes its files on one). At most
+    ``limit_s`` in all, so a thread that never ends cannot keep the job."""
+    deadline = time.monotonic() + limit_s
+    for t in threading.enumerate():
+        if t is not threading.current_thread() and not t.daemon and t.is_alive():
+            t.join(max(0.0, deadline - time.monotonic()))
