@@ -110,8 +110,8 @@ test-hub: $(STAMP)
 	$(HUB_VENV)/bin/python -m pip install --quiet -c constraints.txt -e '.[lab,test,browser,classroom]'
 	npm ci --prefix proxy --no-audit --no-fund
 	DDPLAB_HUB_TEST=1 $(HUB_SUDO) $(HUB_VENV)/bin/python -m pytest -q -p no:cacheprovider tests/course/test_classroom_hub.py \
-	  tests/course/test_classroom_sandbox.py tests/course/test_classroom_limits.py
-	DDPLAB_HUB_TEST=1 $(PY) -m pytest -q tests/course/test_classroom_grading.py tests/course/test_classroom_exchange.py
+	  tests/course/test_classroom_limits.py
+	DDPLAB_HUB_TEST=1 $(PY) -m pytest -q tests/course/test_classroom_grading.py
 
 # A real Slurm (Debian's slurm-wlm and munge, apt-installed when missing; root): munged,
 # slurmctld and two emulated nodes on 127.0.0.1, started and stopped by the test. A lab's cells

@@ -19,10 +19,22 @@ The slips here are one per grader: they prove that a grader's failure reaches th
 the feedback through nbgrader. Every other planted mistake of every grader is run against the
 grader itself by the catalogue (tests/graders_catalogue.py, `make test-graders`, also in make
 check): running each through a whole notebook would cost a lab's run per mistake.
+
+Lab 00's "solution" and "untouched" go through nbgrader's own exchange, as the one-account
+class's hub servers run it (one uid; each learner with JUPYTERHUB_USER set and
+JUPYTER_CONFIG_PATH on the classroom's learner-config): the instructor releases lab 00, both
+fetch it, "solution" fills in the solutions, both submit, the instructor collects (the
+submissions are filed under the HUB user names, not the one OS user); after the one autograde,
+feedback is generated and returned and each learner fetches their own. (The default class,
+learners as their own Unix accounts, goes through the same exchange in
+tests/course/test_classroom_hub.py.)
 """
 import os
+import subprocess
+import sys
 
 import _classroom as room
+import nbformat
 import pytest
 
 from ddplab.checks import (
@@ -93,25 +105,56 @@ def students(lab):
     return ["slipped"] + (["solution"] if lab in SOLVED else []) + (["untouched"] if lab == room.LAB else [])
 
 
+# The learners who go through the exchange (lab 00), as the one-account class's servers run them.
+EXCHANGED = ("solution", "untouched")
+
+
 @pytest.fixture(scope="module")
-def course(tmp_path_factory):
-    """One course: every lab's submissions, then the instructor's two commands for all of them
-    (nbgrader takes "*" for every assignment): generate_assignment, autograde."""
+def graded(tmp_path_factory):
+    """One course: lab 00 released, fetched and submitted through the exchange by ``EXCHANGED``,
+    every other submission filed directly, then the instructor's one autograde for all of them
+    (nbgrader takes "*" for every assignment). Returns (class folder, learners' homes)."""
     tmp = tmp_path_factory.mktemp("grading")
     roster = tmp / "roster.txt"
     roster.write_text("slipped\nsolution\nuntouched\n")
     # --trusted-class: no Unix accounts; nbgrader runs here as the test's own user
-    course = room.make_room(tmp / "class", "--roster", str(roster), "--cpu-only", "--trusted-class",
-                            "--proxy", _any_executable()) / "course"
+    folder = room.make_room(tmp / "class", "--roster", str(roster), "--cpu-only", "--trusted-class",
+                            "--proxy", sys.executable)  # no hub is started: any executable stands in
+    course = folder / "course"
     room.nbgrader(course, "db", "student", "import", "roster.csv")
+    room.nbgrader(course, "generate_assignment", "*", "--force")
+    room.nbgrader(course, "release_assignment", room.LAB, "--force")
+    homes = {user: tmp / "home" / user for user in EXCHANGED}
+    for user, home in homes.items():
+        home.mkdir(parents=True)
+        learner(folder, home, user, "fetch_assignment", room.LAB)
+        fetched = home / room.LAB / f"{room.LAB}.ipynb"
+        assert "raise NotImplementedError" in fetched.read_text()  # the exercise, not the solution
+    nbformat.write(room.solved(), homes["solution"] / room.LAB / f"{room.LAB}.ipynb")
+    for user, home in homes.items():
+        learner(folder, home, user, "submit", room.LAB)
+    room.nbgrader(course, "collect", room.LAB)
     for lab, slips in SLIPS.items():
         room.submit(course, "slipped", room.solved(lab, changes=[s[:2] for s in slips]), lab)
-        if lab in SOLVED:
+        if lab in SOLVED and lab != room.LAB:
             room.submit(course, "solution", room.solved(lab), lab)
-    room.submit(course, "untouched", room.exercise(room.LAB), room.LAB)
-    room.nbgrader(course, "generate_assignment", "*", "--force")
     room.nbgrader(course, "autograde", "*", "--force", timeout=1800)
-    return course
+    return folder, homes
+
+
+@pytest.fixture(scope="module")
+def course(graded):
+    return graded[0] / "course"
+
+
+def learner(folder, home, user, *args):
+    # one uid: every learner has the same Jupyter data folder (here one of the test's own)
+    env = dict(room.env(), JUPYTERHUB_USER=user, JUPYTER_CONFIG_PATH=str(folder / "learner-config"),
+               JUPYTER_DATA_DIR=str(folder / "jupyter-data"))
+    out = subprocess.run([sys.executable, "-m", "nbgrader", *args], cwd=home, capture_output=True,
+                         text=True, env=env, timeout=300)
+    assert out.returncode == 0, f"{user}: nbgrader {' '.join(args)}:\n{out.stdout[-2000:]}\n{out.stderr[-2000:]}"
+    return out
 
 
 def test_every_lab_is_graded():
@@ -137,7 +180,23 @@ def test_autograde_a_slip_in_every_exercise_and_the_solution(course, lab):
         assert scores["untouched"] == 0.0
         assert "not implemented yet" in room.feedback(course, "untouched", lab)
 
-def _any_executable():
-    # No hub is started here: any executable stands in for the proxy the config names.
-    import sys
-    return sys.executable
+
+
+@pytest.mark.timeout(1800)
+def test_the_exchange_files_under_hub_user_names_and_returns_each_learner_their_feedback(graded):
+    folder, homes = graded
+    course = folder / "course"
+    for user in EXCHANGED:  # filed under the hub's user names, not the OS user
+        assert (course / "submitted" / user / room.LAB / f"{room.LAB}.ipynb").is_file(), user
+    assert not (course / "submitted" / os.environ.get("USER", "root")).exists()
+    room.nbgrader(course, "generate_feedback", room.LAB, "--force")
+    room.nbgrader(course, "release_feedback", room.LAB)
+    pages = {}
+    for user, home in homes.items():
+        learner(folder, home, user, "fetch_feedback", room.LAB)
+        # each learner gets their own feedback only (one uid shares nbgrader's submit cache
+        # unless the learners' config gives each learner one)
+        found = list((home / room.LAB / "feedback").rglob("*.html"))
+        assert len(found) == 1, (user, found)
+        pages[user] = found[0].read_text()
+    assert "not implemented yet" in pages["untouched"] and "not implemented yet" not in pages["solution"]

@@ -1,5 +1,5 @@
 """The class's guards, each on its own, without accounts or a hub (the real class runs in
-tests/course/test_classroom_sandbox.py under make test-hub).
+tests/course/test_classroom_hub.py under make test-hub).
 
 - collect's refusal: a submission written by another account than the learner it names, or
   dated in the future, is refused with words that name both; nbgrader's due-date rule is kept.
