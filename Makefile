@@ -101,6 +101,8 @@ test-labs-ws1: $(STAMP)
 # autograde, the idle culler. The proxy is npm's configurable-http-proxy from proxy/'s lockfile.
 # The real hub's learners are Unix accounts of their own: their servers run from .venv-hub, built
 # from the system's Python so that every account can run it (a pyenv Python under /root is not).
+# Where .venv itself is built from the system's Python, one environment serves both: CI runs
+# `make check PYTHON=/usr/bin/python3 HUB_VENV=.venv` (.ci/run) and builds one instead of two.
 HUB_PYTHON ?= /usr/bin/python3
 HUB_VENV   ?= .venv-hub
 HUB_SUDO   := $(if $(filter 0,$(shell id -u)),,sudo -E)  # it creates and deletes Unix accounts
