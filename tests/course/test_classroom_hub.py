@@ -200,6 +200,17 @@ def refused(browser, url, user, password):
     page.context.close()
 
 
+def wait_done(page, user, first, count, timeout_s=240):
+    """Wait until the code cells first..first+count-1 ran; if they do not, say what each shows."""
+    try:
+        page.wait_for_function(DONE_JS, arg=[first, count], timeout=timeout_s * 1000)
+    except Exception:
+        cells = page.locator(CELLS)
+        shown = [f"cell {i}: {cells.nth(i).inner_text()[-600:]!r}" for i in range(first, first + count)]
+        pytest.fail(f"{user}'s cells {first}..{first + count - 1} did not all run in {timeout_s} s:\n"
+                    + "\n".join(shown))
+
+
 def nbgrader_menu(page):
     page.locator(".lm-MenuBar-itemLabel", has_text="Nbgrader").click()
     items = page.locator(".lm-Menu-itemLabel").all_inner_texts()
@@ -346,15 +357,14 @@ def test_a_safe_class_start_to_end_on_a_real_hub_with_an_attacker():
             for user, page in pages.items():
                 run_cells(page, firsts[user], 3 + (user == "learner01"))
             for user, page in pages.items():
-                page.wait_for_function(DONE_JS, arg=[firsts[user], 3 + (user == "learner01")],
-                                       timeout=240_000)
+                wait_done(page, user, firsts[user], 3 + (user == "learner01"))
             sols = {}
             for user, page in pages.items():  # the solution and its grader, both learners at once
                 sols[user] = next(i for i, c in enumerate(notebooks[user].cells)
                                   if c.metadata.get("nbgrader", {}).get("solution"))
                 run_cells(page, sols[user], 2)
             for user, page in pages.items():
-                page.wait_for_function(DONE_JS, arg=[sols[user], 2], timeout=240_000)
+                wait_done(page, user, sols[user], 2)
             gpu_of = {}
             for user, page in pages.items():
                 text = page.locator(CELLS).nth(firsts[user] + 2).inner_text()
