@@ -51,6 +51,7 @@ CATALOGUE = {
     "09 bucket assignment": NEW.BUCKET_ASSIGNMENT,
     "10 exposed buckets": YOURS.EXPOSED,
     "11 sharded step": SHARDING.SHARDED_STEP,
+    "11 sharded step, 3 ranks": SHARDING.SHARDED_STEP_3,
     "12 FSDP gather and reduce-scatter": FSDP.FSDP_COLLECTIVES,
 }
 

@@ -37,9 +37,15 @@ def untouched(local_optimizer, params, owner):
     raise NotImplementedError
 
 
+def untouched_partition(params, world_size):
+    raise NotImplementedError
+
+
 def test_the_untouched_lab11_exercise_says_not_implemented_and_keeps_its_ranks(cluster2, capfd):
+    pids = cluster2.run(lambda: __import__("os").getpid())
     with pytest.raises(CheckFailed) as e:
-        S.check_sharded_step(cluster2, untouched)
+        S.check_sharded_step(cluster2, untouched, untouched_partition)
     assert e.value.mistake == NOT_IMPLEMENTED, str(e.value)
     said = "".join(capfd.readouterr())
     assert "halfway" not in said and "replaced" not in said, said
+    assert cluster2.run(lambda: __import__("os").getpid()) == pids  # the same ranks, usable
