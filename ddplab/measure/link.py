@@ -9,6 +9,7 @@ float32 tensors on the rank's device;
 on NCCL the host waits for the GPU with ``torch.cuda.synchronize``, since a blocking NCCL
 all-reduce only blocks the stream). Each rank keeps its median; an all-reduce is over for the
 job when it is over on its slowest rank, so the slowest rank's median is the time of that size.
+On a Cluster's rank it first waits for the rank's background import (``wait_for_cluster_import``).
 
 The model is the one the simulated link and the what-if use
 (``ddplab.netsim.link.LinkModel.allreduce_seconds``), a ring over p ranks of n bytes:
@@ -42,6 +43,7 @@ import datetime
 import json
 import math
 import socket
+import sys
 from pathlib import Path
 
 from ddplab.netsim.link import LinkModel
@@ -127,8 +129,10 @@ def measure_link(group=None, sizes_bytes=DEFAULT_SIZES, repeats: int = 7, warmup
     if p < 2:
         raise ValueError(f"a link needs at least 2 ranks: this group has {p}; start 2 or more "
                          f"(`{COMMAND}`)")
+    wait_for_cluster_import()
     times = measure_allreduce(sizes, repeats, group, warmup)
-    mine = {"host": socket.gethostname(), "seconds": [times[n] for n in sizes]}
+    now = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    mine = {"host": socket.gethostname(), "seconds": [times[n] for n in sizes], "date": now}
     parts = [None] * p
     dist.all_gather_object(parts, mine, group=group)
     seconds = [max(part["seconds"][i] for part in parts) for i in range(len(sizes))]
@@ -137,7 +141,7 @@ def measure_link(group=None, sizes_bytes=DEFAULT_SIZES, repeats: int = 7, warmup
         "format": FORMAT,
         "what": "blocking all-reduces timed by python -m ddplab link (ddplab.measure.link), and the "
                 "ring model fitted to them",
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "date": parts[0]["date"],  # rank 0's clock, so that every rank returns the same
         "world_size": p, "backend": backend_name(group), "device": device(group).type,
         "hosts": hosts, "one_machine": len(set(hosts)) == 1, "torch": torch.__version__,
         "dtype": "float32", "warmup": warmup, "repeats": repeats,
@@ -156,6 +160,16 @@ def measure_link(group=None, sizes_bytes=DEFAULT_SIZES, repeats: int = 7, warmup
     if out is not None and rank == 0:
         write_link(measurement, out)
     return measurement
+
+
+def wait_for_cluster_import(limit_s: float = 120.0) -> None:
+    """On a Cluster's rank, wait until its background import is over (``preimported`` in
+    ddplab.cluster.worker): for the seconds after the ranks start it holds the GIL, and
+    all-reduces timed then took 30-450 ms instead of 0.5 ms here (2 loaded cores). Looked up
+    in sys.modules, not imported: only a Cluster's rank has that module, and its event."""
+    worker = sys.modules.get("ddplab.cluster.worker")
+    if worker is not None and getattr(worker, "channel", None) is not None:
+        worker.preimported.wait(limit_s)
 
 
 OFF_LINE = 0.5  # a residual above this says the line does not describe the times

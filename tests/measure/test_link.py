@@ -1,13 +1,17 @@
 """A link measured by ``python -m ddplab link`` (ddplab.measure.link), in-process: the ring fit,
 the file the what-if takes, and the words when something is missing. No process is started:
-the command itself under torchrun is tests/measure/test_link_torchrun.py."""
+the command itself under torchrun is tests/measure/test_link_more.py."""
 import json
+import sys
+import threading
+import time
+import types
 
 import pytest
 from test_whatif import recording
 
 from ddplab.cli.link import parse_sizes
-from ddplab.measure.link import FORMAT, fit_link, load_link, measure_link, write_link
+from ddplab.measure.link import FORMAT, fit_link, load_link, measure_link, wait_for_cluster_import, write_link
 from ddplab.measure.whatif import predict
 from ddplab.netsim.link import LinkModel
 from ddplab.timeline.metrics import summarize
@@ -108,3 +112,19 @@ def test_sizes_on_the_command_line_read_as_bytes():
     assert parse_sizes("4K,64k,1M,2MiB,100") == [4096, 65536, 2 ** 20, 2 ** 21, 100]
     with pytest.raises(Exception, match="give sizes in bytes"):
         parse_sizes("4K,lots")
+
+
+def test_on_a_clusters_rank_measuring_waits_for_the_ranks_background_import(monkeypatch):
+    # a Cluster's rank imports torch._dynamo on a thread after it starts, holding the GIL:
+    # all-reduces timed then were 30-450 ms instead of 0.5 ms. A stand-in rank here.
+    rank = types.SimpleNamespace(channel=object(), preimported=threading.Event())
+    monkeypatch.setitem(sys.modules, "ddplab.cluster.worker", rank)
+    threading.Timer(0.3, rank.preimported.set).start()  # the import ends 0.3 s from now
+    t0 = time.monotonic()
+    wait_for_cluster_import(limit_s=10)
+    assert rank.preimported.is_set() and time.monotonic() - t0 < 5
+    rank.preimported.clear()
+    rank.channel = None  # the module imported, but this process is no Cluster's rank
+    t0 = time.monotonic()
+    wait_for_cluster_import(limit_s=10)
+    assert time.monotonic() - t0 < 1

@@ -2,8 +2,9 @@
 (``torchrun --standalone --nproc-per-node 2 -m ddplab link``), and without torchrun.
 
 Kept short: 3 sizes (4 KiB to 1 MiB), 2 warm-up and 9 timed all-reduces each; nearly all of
-the test's time is torchrun starting and 3 processes importing torch."""
+each test's time is starting the ranks (processes importing torch)."""
 import datetime
+import json
 import os
 import socket
 import subprocess
@@ -33,9 +34,15 @@ def ddplab(*args, torchrun=True, timeout=240):
                           capture_output=True, text=True, timeout=timeout)
 
 
-def test_under_torchrun_it_writes_a_fit_that_predicts_what_it_measured(tmp_path):
-    import json
+def fits_what_it_measured(m):
+    """The fit, read in the netsim's ring terms, against the times it was fitted on."""
+    fit, p = m["fit"], m["world_size"]
+    for n, t in zip(m["sizes_bytes"], m["seconds"]):
+        ring = 2 * (p - 1) * fit["latency_s"] + 2 * (p - 1) / p * n / fit["bandwidth_bytes_per_s"]
+        assert 1 / FACTOR <= ring / t <= FACTOR, (n, ring, t, fit)
 
+
+def test_under_torchrun_it_writes_a_fit_that_predicts_what_it_measured(tmp_path):
     from ddplab.measure.link import load_link
     from ddplab.measure.whatif import predict
 
@@ -50,11 +57,8 @@ def test_under_torchrun_it_writes_a_fit_that_predicts_what_it_measured(tmp_path)
     assert m["sizes_bytes"] == [4096, 65536, 2 ** 20] and (m["repeats"], m["warmup"]) == (9, 2)
     by_rank = m["seconds_by_rank"]
     assert len(by_rank) == 2 and m["seconds"] == [max(a, b) for a, b in zip(*by_rank)]
-    # the fit, read in the netsim's ring terms, against the times it was fitted on
     fit, p = m["fit"], 2
-    for n, t in zip(m["sizes_bytes"], m["seconds"]):
-        ring = 2 * (p - 1) * fit["latency_s"] + 2 * (p - 1) / p * n / fit["bandwidth_bytes_per_s"]
-        assert 1 / FACTOR <= ring / t <= FACTOR, (n, ring, t, fit)
+    fits_what_it_measured(m)
     # the LinkModel the what-if builds from the file says the same
     model, _ = load_link(out)
     assert [model.allreduce_seconds(n, p) for n in m["sizes_bytes"]] == pytest.approx(fit["predicted_seconds"])
@@ -75,3 +79,4 @@ def test_without_torchrun_it_refuses_in_one_line():
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1 and "Traceback" not in done.stderr, done.stderr
     assert lines[0].startswith("ddplab link: no process group") and "torchrun --nproc-per-node 2" in lines[0]
+
