@@ -1,4 +1,4 @@
-"""Command line: ``python -m ddplab doctor``, ``compare``, ``view`` and ``classroom``."""
+"""Command line: ``python -m ddplab doctor``, ``compare``, ``view``, ``link`` and ``classroom``."""
 from __future__ import annotations
 
 import argparse
@@ -19,6 +19,15 @@ def main(argv=None) -> int:
 
     see = sub.add_parser("view", help="saved runs (ddplab.record's run.json) side by side, as a page")
     view.add_arguments(see)
+    from ddplab.cli import link
+
+    lnk = sub.add_parser("link", help="your link measured under torchrun: all-reduce times and the ring "
+                                      "model fitted to them, as the JSON the what-if takes (link=)",
+                         description="Your own link measured, under the launcher you train with: "
+                                     "`torchrun --nproc-per-node 2 -m ddplab link -o link.json`; then "
+                                     "ddplab.measure.whatif.predict(recording, link='link.json'). "
+                                     "See docs/recording.md.")
+    link.add_arguments(lnk)
     from ddplab.course import classroom
 
     what = "a JupyterHub + nbgrader set-up for a class: learners' servers on this machine or as Slurm jobs"
@@ -31,6 +40,8 @@ def main(argv=None) -> int:
         return classroom.run(args, room)
     if args.command == "view":
         return view.run(args)
+    if args.command == "link":
+        return link.run(args)
     if args.command == "compare":
         from ddplab.cli.compare import run
 

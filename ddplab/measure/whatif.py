@@ -15,7 +15,9 @@ optimizer time) under the new settings:
   (one link per rank, transfers queue), so a straggler's lateness shows up
   as waiting on the other ranks.
 - cost: ring all-reduce, ``2(p-1) alpha + 2(p-1)/p n / bandwidth``
-  (``ddplab.netsim.link.LinkModel.allreduce_seconds``) on the given link. By
+  (``ddplab.netsim.link.LinkModel.allreduce_seconds``) on the given link: a
+  preset, a LinkModel, or the JSON ``python -m ddplab link`` wrote
+  (``ddplab.measure.link``: your own link, measured). By
   default, alpha and bandwidth fitted to the recording's own all-reduce times
   (``ddplab.netsim.costmodel.fit``); for a recording made under a simulated
   link, the slower of that link and the fit, as the simulated link itself
@@ -52,6 +54,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+from ddplab.measure.link import COMMAND, is_link_file, load_link
 from ddplab.measure.profile import TARGET, Profile, read_profile, untrusted_reasons
 from ddplab.netsim.costmodel import fit
 from ddplab.netsim.link import LinkModel
@@ -115,31 +118,39 @@ class SlowerOf:
 
 
 def _link(prof: Profile, link):
+    """(link model, its label, the measurement it came from or None)."""
+    if is_link_file(link):  # measured by `python -m ddplab link`
+        model, source = load_link(link)
+        return model, model.label, source
     if link is not None:
         model = LinkModel.parse(link)
-        return model, model.label
+        return model, model.label, None
     if prof.simulated_link:
         simulated = LinkModel.parse(prof.simulated_link)
         try:
-            return SlowerOf(simulated, _fitted(prof)), "the recording's simulated link over gloo"
+            return SlowerOf(simulated, _fitted(prof)), "the recording's simulated link over gloo", None
         except ValueError:
-            return simulated, "the recording's simulated link"
+            return simulated, "the recording's simulated link", None
     model = _fitted(prof)
-    return model, model.label
+    return model, model.label, None
+
+
+# what each refusal to fit the recording's link ends with: the ways out
+WAYS_OUT = ("pass link= (a preset name such as '10gbe', a LinkModel, or your own link measured "
+            f"into a file: `{COMMAND}` under the launcher you train with, then link='link.json')")
 
 
 def _fitted(prof: Profile) -> LinkModel:
     if prof.world_size < 2:
-        raise ValueError("a 1-rank recording has no communication to learn a link from: pass "
-                         "link='10gbe' (a preset of ddplab.netsim.PRESETS) or a LinkModel")
+        raise ValueError(f"a 1-rank recording has no communication to learn a link from: {WAYS_OUT}")
     sizes = [n for n, _ in prof.comm_samples]
     if len(set(sizes)) < 2:
         raise ValueError("the recording's all-reduces all have one size, too few to fit alpha "
-                         "and bandwidth: pass link= (a preset name or a LinkModel)")
+                         f"and bandwidth: {WAYS_OUT}")
     f = fit(sizes, [s for _, s in prof.comm_samples], prof.world_size)
     if f.per_byte_s <= 0:
         raise ValueError("the recording's all-reduce times do not grow with size, so no "
-                         "bandwidth can be fitted: pass link= (a preset name or a LinkModel)")
+                         f"bandwidth can be fitted: {WAYS_OUT}")
     return LinkModel(f.bandwidth_gbps, max(0.0, f.alpha_us), "alpha-beta fitted to the recording")
 
 
@@ -159,13 +170,16 @@ def predict(recording: Timeline, *, bucket_cap_mb=RECORDED, link=None, world_siz
     """The predicted step of ``recording`` under the given changes (module docstring).
 
     ``bucket_cap_mb``: MiB, None for torch's default, or "recorded"; ``link``: a preset
-    name, LinkModel or dict; ``world_size``: ranks (the same per-rank batch); ``straggler``:
-    (rank, factor); ``contention``: c, None to measure it (against ``baseline`` when given).
+    name, LinkModel, dict, or the path of a file ``python -m ddplab link`` wrote;
+    ``world_size``: ranks (the same per-rank batch); ``straggler``: (rank, factor);
+    ``contention``: c, None to measure it (against ``baseline`` when given).
     """
     prof = read_profile(recording, baseline, contention)
     p = prof.world_size if world_size is None else world_size
     _check(p, straggler)
-    model, link_label = _link(prof, link)
+    model, link_label, measured = _link(prof, link)
+    if measured and measured["world_size"] != p:
+        link_label += f", measured at {measured['world_size']} ranks and carried to {p} by the ring model"
     layout = _layout(prof, bucket_cap_mb)
     c = prof.contention
     sizes = prof.ranks[0].nbytes
@@ -219,6 +233,8 @@ def predict(recording: Timeline, *, bucket_cap_mb=RECORDED, link=None, world_siz
         label += f"; NOT TRUSTED to {100 * TARGET:.0f} %: " + "; ".join(untrusted)
     tl.meta.update(predicted=True, whatif=changes, labels=[label], simulated_link=model.describe(),
                    contention_note=prof.contention_note, recorded_world_size=prof.world_size)
+    if measured:  # which file, machines and date the link was measured on
+        tl.meta["measured_link"] = measured
     if straggler:
         tl.meta["straggler"] = (straggler[0], straggler[1])
     return tl

@@ -62,9 +62,12 @@ def fit(sizes_bytes, seconds, world_size: int) -> Fit:
 
 
 def measure_allreduce(sizes_bytes=(2**12, 2**16, 2**18, 2**20, 2**22, 2**23), repeats: int = 7,
-                      group=None) -> dict:
-    """Run on EVERY rank: median seconds of a blocking all-reduce per size.
+                      group=None, warmup: int = 1) -> dict:
+    """Run on EVERY rank: median seconds of a blocking all-reduce per size, after ``warmup``
+    untimed ones of each size.
 
+    The repeats go round the sizes (every size once, then again), so that a burst of other
+    load on the machine falls on every size alike instead of on the sizes timed during it.
     On NCCL ranks the tensors live on the rank's GPU (what its gradients use) and
     the host waits for the GPU, since a "blocking" NCCL all-reduce only blocks the
     stream, not the host."""
@@ -76,20 +79,20 @@ def measure_allreduce(sizes_bytes=(2**12, 2**16, 2**18, 2**20, 2**22, 2**23), re
 
     where = device(group)
     settle = torch.cuda.synchronize if where.type == "cuda" else (lambda: None)
-    out = {}
-    for n in sizes_bytes:
-        t = torch.ones(max(1, n // 4), dtype=torch.float32, device=where)
-        dist.all_reduce(t, group=group)  # warm the connection and buffers
-        times = []
-        for _ in range(repeats):
+    tensors = [torch.ones(max(1, n // 4), dtype=torch.float32, device=where) for n in sizes_bytes]
+    for t in tensors:
+        for _ in range(warmup):  # warm the connection and buffers
+            dist.all_reduce(t, group=group)
+    times = [[] for _ in tensors]
+    for _ in range(repeats):
+        for t, took in zip(tensors, times):
             dist.barrier(group=group)
             settle()
             t0 = now()
             dist.all_reduce(t, group=group)
             settle()
-            times.append(now() - t0)
-        out[int(t.numel() * 4)] = statistics.median(times)
-    return out
+            took.append(now() - t0)
+    return {int(t.numel() * 4): statistics.median(took) for t, took in zip(tensors, times)}
 
 
 def predict_step(compute_step_s: float, backward_end_s: float, bucket_ready_s, bucket_bytes,

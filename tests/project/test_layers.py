@@ -38,7 +38,7 @@ MODULES = {
     4: {"ddplab.cluster": ["", "answers", "cluster", "diagnosis", "errors", "generations", "lifecycle", "output",
                            "process", "progress", "rendezvous", "results", "status", "subset", "worker"],
         "ddplab.launchers": ["", "jobstore", "requeue", "schedulers", "stragglers", "torchrun"]},
-    5: {"ddplab.measure": ["", "compare", "fits", "memory", "models", "profile", "recording", "recording_end",
+    5: {"ddplab.measure": ["", "compare", "fits", "link", "memory", "models", "profile", "recording", "recording_end",
                            "recording_hooks", "recording_layout", "report", "runners", "spec", "sweep", "transformer",
                            "whatif",
                            "workload"]},
@@ -52,7 +52,7 @@ MODULES = {
         "ddplab.course": ["", "accounts", "classroom", "classroom_readme", "exchange_guard", "exercises", "gradebox",
                           "handouts", "hubconfig", "labsetup", "limits", "proxy_guard", "safety", "seats",
                           "slurmhub", "teardown"],
-        "ddplab.cli": ["", "compare", "doctor", "view"],
+        "ddplab.cli": ["", "compare", "doctor", "link", "view"],
         "ddplab": ["", "__main__", "integrations"]},  # `import ddplab` / `from ddplab import X`: the front door
 }
 LAYERS = {f"{pkg}.{m}" if m else pkg: level
