@@ -137,7 +137,7 @@ def test_classroom_writes_a_hub_config_a_course_and_a_readme(tmp_path):
     for expected in ["LEARNERS = ['ann', 'bob']", "INSTRUCTOR = 'instructor'",
                      "c.Authenticator.allowed_users = set(LEARNERS) | {INSTRUCTOR}",
                      "Seats(gpus_per_learner=0, threads=1)",
-                     "GUARD = [PYTHON, '-m', 'ddplab.course.proxy_guard']",
+                     "GUARD = [PYTHON, '-m', 'ddplab.course.proxy_guard', '--parent', str(os.getpid())]",
                      f"c.ConfigurableHTTPProxy.command = GUARD + [{str(Path(sys.executable).resolve())!r}]",
                      "c.Spawner.cmd = GUARD + [PYTHON, '-m', 'jupyterhub.singleuser']",
                      "'command': GUARD + [", "jupyterhub_idle_culler",
