@@ -141,7 +141,7 @@ def test_classroom_writes_a_hub_config_a_course_and_a_readme(tmp_path):
                      f"c.ConfigurableHTTPProxy.command = GUARD + [{str(Path(sys.executable).resolve())!r}]",
                      "c.Spawner.cmd = GUARD + [PYTHON, '-m', 'jupyterhub.singleuser']",
                      "'command': GUARD + [", "jupyterhub_idle_culler",
-                     "c.JupyterHub.ip = '127.0.0.1'", "SimpleLocalProcessSpawner", "shared-password"]:
+                     "c.JupyterHub.ip = '127.0.0.1'", "SimpleLocalProcessSpawner", "SharedPasswordAuthenticator"]:
         assert expected in config, expected
     assert "allow_all =" not in config and "DummyAuthenticator" not in config
     course = (room / "course" / "nbgrader_config.py").read_text()
@@ -166,7 +166,7 @@ def render(**changes):
 def test_by_default_learners_are_accounts_checked_by_pam_and_only_the_roster_logs_in():
     text = render()
     compile(text, "jupyterhub_config.py", "exec")
-    assert "class ClassAuthenticator(PAMAuthenticator)" in text and "check_logins(" in text
+    assert "class ClassAuthenticator(RateLimitedLogins, PAMAuthenticator)" in text and "check_logins(" in text
     assert "LocalProcessSpawner" in text and "SimpleLocalProcessSpawner" not in text
     assert "allow_root" not in text and "allow_all =" not in text and "DummyAuthenticator" not in text
 
