@@ -1,7 +1,8 @@
 """Log-ins limited per name and per address: a burst of wrong passwords is refused before PAM sees it.
 
 Teaches: JupyterHub's ``PAMAuthenticator`` checks each password in a pool of threads (4 by
-default, ``executor_threads``), and PAM makes a wrong password wait (``pam_faildelay``). A few
+default, ``executor_threads``), and PAM makes a wrong password wait (Debian's ``login`` service,
+the one JupyterHub uses, waits 3 s with ``pam_faildelay``). A few
 wrong passwords sent at once fill that pool, and everybody's log-in, the instructor's too, waits
 behind them. :class:`LoginLimits` counts failed log-ins per name and per address over a sliding
 window; past the limit it answers at once, with the seconds to wait, and the password is not
