@@ -8,7 +8,8 @@ Teaches what a one-server JupyterHub for ddplab needs and why:
   refused, and the hub refuses to start while an allowed account has none. In the unsafe
   one-account mode (``--trusted-class``) JupyterHub's ``SharedPasswordAuthenticator`` takes
   a class password and an instructor password from the environment, and the hub refuses to
-  start without them;
+  start without them; either way wrong passwords are limited per name and per address
+  (:mod:`ddplab.course.logins`);
 - a spawner: ``LocalProcessSpawner`` (each server runs as the learner's own account, in its
   0700 home), ``SimpleLocalProcessSpawner`` in the one-account mode (every server runs as the
   hub's user: no isolation at all), or systemdspawner (a transient systemd unit per learner,
