@@ -192,6 +192,10 @@ def test_an_account_without_a_password_stops_the_hub_before_it_starts(tmp_path):
         check_logins(["root", "nobody"], shadow=str(shadow))
     with pytest.raises(AccountError, match="no Unix account"):
         check_logins(["no-such-learner-xyz"], shadow=str(shadow))
+    shadow.write_text("root:!$y$j9T$abc:19000:0:99999:7:::\nnobody:*:19000:0:99999:7:::\n")
+    for locked in ("root", "nobody"):  # locked, and never set: PAM lets neither in with a password
+        with pytest.raises(AccountError, match=f"{locked} cannot log in with a password"):
+            check_logins([locked], shadow=str(shadow))
 
 
 def test_help_names_the_one_account_mode_unsafe():
