@@ -48,7 +48,8 @@ class LoginLimits:
                  clock=time.monotonic):
         if per_name < 0 or per_address < 0 or window_s <= 0:
             raise ValueError(f"log-in limits must be 0 (off) or more, and the window more than 0 s: got "
-                             f"{per_name} per name, {per_address} per address, {window_s} s")
+                             f"{per_name} per name, {per_address} per address, {window_s} s (classroom's "
+                             "--login-failures, --login-address-failures, --login-window)")
         self.limits = {"name": per_name, "address": per_address}
         self.window_s, self.clock = window_s, clock
         self.failures: dict[tuple[str, str], deque] = {}
