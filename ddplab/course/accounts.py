@@ -167,7 +167,9 @@ def check_logins(names: list[str], shadow: str = "/etc/shadow") -> None:
     """Raise unless every name is an account with a password set (the hub's start calls it).
 
     An empty hash field in /etc/shadow means "no password", and Debian's PAM stack (``nullok``)
-    then accepts an empty one.
+    then accepts an empty one. A field that starts with ``!`` (locked) or is ``*`` (never set, as
+    useradd leaves it) lets nobody log in with a password: that learner would only ever read
+    "Invalid username or password".
     """
     try:
         with open(shadow) as f:
@@ -182,6 +184,10 @@ def check_logins(names: list[str], shadow: str = "/etc/shadow") -> None:
     if empty:
         raise AccountError(f"{', '.join(empty)} has no password: set one with `passwd NAME` (as root) "
                            "before starting the hub")
+    locked = [n for n in names if hashes[n].startswith(("!", "*"))]
+    if locked:
+        raise AccountError(f"{', '.join(locked)} cannot log in with a password (locked, or never set): set "
+                           "one with `passwd NAME` (as root) before starting the hub")
 
 
 def install_sudoers(text: str, name: str) -> Path:

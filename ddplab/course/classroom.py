@@ -41,6 +41,7 @@ import shutil
 import sys
 
 from ddplab.course import accounts, hubconfig, safety
+from ddplab.course import logins as logins_module
 
 COURSE_ID = "ddplab"
 NAME = re.compile(r"^[a-z][a-z0-9_-]{0,31}$")
@@ -95,6 +96,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "checkout, after `npm ci --prefix proxy`, else on PATH)")
     p.add_argument("--idle-timeout", type=int, default=1800,
                    help="seconds before an idle learner's server is stopped [1800]")
+    logins = p.add_argument_group("log-in limits (ddplab/course/logins.py): past them a log-in is refused at "
+                                  "once, saying when to try again; a successful log-in clears its name and address")
+    logins.add_argument("--login-failures", type=int, default=logins_module.PER_NAME,
+                        help="failed log-ins per name within --login-window (0: no limit) [%(default)s]")
+    logins.add_argument("--login-address-failures", type=int, default=logins_module.PER_ADDRESS,
+                        help="failed log-ins per address within --login-window (0: no limit) [%(default)s]")
+    logins.add_argument("--login-window", type=float, default=logins_module.WINDOW_S,
+                        help="seconds a failed log-in counts [%(default)s]")
     p.add_argument("--exchange", default=None,
                    help="nbgrader's exchange folder (default FOLDER/exchange); with --spawner slurm it "
                         "must be on storage every node mounts at the same path, as FOLDER must")
@@ -140,6 +149,10 @@ def find_proxy(given: str | None) -> str:
     return str(pathlib.Path(path).resolve())
 
 
+def login_limits(args) -> tuple[int, int, float]:
+    return args.login_failures, args.login_address_failures, args.login_window
+
+
 def grader(args) -> str:
     name = args.grader or f"{args.instructor}-grader"
     if not NAME.match(name):
@@ -173,6 +186,7 @@ def write(args) -> tuple[pathlib.Path, dict]:
     names, proxy, per = learners(args), find_proxy(args.proxy), gpus_per_learner(args)
     if args.threads < 1:
         raise ValueError("--threads must be at least 1")
+    logins_module.LoginLimits(*login_limits(args))  # says what is wrong with them, before anything is made
     safety.check_network(args)
     if not args.trusted_class:
         safety.check_accounts(names, args.instructor, grader(args))
@@ -212,7 +226,8 @@ def _fill(folder: pathlib.Path, names: list[str], proxy: str, per: int, args) ->
         ip=args.ip, port=args.port, proxy_cmd=proxy, idle_timeout=args.idle_timeout,
         ssl_cert=args.ssl_cert and str(pathlib.Path(args.ssl_cert).resolve()),
         ssl_key=args.ssl_key and str(pathlib.Path(args.ssl_key).resolve()), hub_ip=args.hub_ip,
-        time_limit=args.time_limit, partition=args.partition, hub_user=args.hub_user))
+        time_limit=args.time_limit, partition=args.partition, hub_user=args.hub_user,
+        login_limits=login_limits(args)))
     if args.spawner == "slurm":
         from ddplab.course import slurmhub
 
@@ -228,7 +243,8 @@ def _fill(folder: pathlib.Path, names: list[str], proxy: str, per: int, args) ->
     if args.trusted_class:
         for n in names + [args.instructor]:
             (folder / "homes" / n).mkdir(exist_ok=True)
-        return folder, {var: accounts.new_password() for var in hubconfig.PASSWORD_VARS}
+        # JupyterHub's shared-password log-in wants 32 characters or more for the admin's
+        return folder, dict(zip(hubconfig.PASSWORD_VARS, [accounts.new_password(), accounts.new_password(groups=7)]))
     return folder, safety.make_accounts(folder, names, args.instructor, grader(args), exchange / COURSE_ID)
 
 

@@ -8,7 +8,8 @@ Teaches what a one-server JupyterHub for ddplab needs and why:
   refused, and the hub refuses to start while an allowed account has none. In the unsafe
   one-account mode (``--trusted-class``) JupyterHub's ``SharedPasswordAuthenticator`` takes
   a class password and an instructor password from the environment, and the hub refuses to
-  start without them;
+  start without them; either way wrong passwords are limited per name and per address
+  (:mod:`ddplab.course.logins`);
 - a spawner: ``LocalProcessSpawner`` (each server runs as the learner's own account, in its
   0700 home), ``SimpleLocalProcessSpawner`` in the one-account mode (every server runs as the
   hub's user: no isolation at all), or systemdspawner (a transient systemd unit per learner,
@@ -36,6 +37,8 @@ from __future__ import annotations
 
 import sys
 
+from ddplab.course.logins import PER_ADDRESS, PER_NAME, WINDOW_S
+
 SPAWNERS = ("local", "systemd", "slurm")
 PASSWORD_VARS = ("DDPLAB_HUB_PASSWORD", "DDPLAB_HUB_ADMIN_PASSWORD")  # the one-account mode's
 
@@ -44,7 +47,8 @@ def render(*, folder: str, learners: list[str], admin: str, gpus_per_learner: in
            mem_gib: float | None, spawner: str, trusted: bool, ip: str, port: int, proxy_cmd: str,
            idle_timeout: int, ssl_cert: str | None = None, ssl_key: str | None = None,
            python: str = sys.executable, hub_ip: str = "127.0.0.1", time_limit: str = "02:00:00",
-           partition: str = "", hub_user: str = "root") -> str:
+           partition: str = "", hub_user: str = "root",
+           login_limits: tuple[int, int, float] = (PER_NAME, PER_ADDRESS, WINDOW_S)) -> str:
     if spawner not in SPAWNERS:
         raise ValueError(f"spawner must be one of {SPAWNERS}, got {spawner!r}")
     if bool(ssl_cert) != bool(ssl_key):
@@ -75,8 +79,9 @@ def render(*, folder: str, learners: list[str], admin: str, gpus_per_learner: in
          if spawner == "slurm" else "c.JupyterHub.hub_ip = '127.0.0.1'  # the hub's API: loopback only"),
         "c.JupyterHub.hub_port = c.JupyterHub.port + 2  # not 8081: two classes on one server",
         "c.ConfigurableHTTPProxy.api_url = 'http://127.0.0.1:%d' % (c.JupyterHub.port + 1)",
-        "# Whatever the hub starts dies with it, even a SIGKILLed hub (ddplab/course/proxy_guard.py).",
-        "GUARD = [PYTHON, '-m', 'ddplab.course.proxy_guard']",
+        "# Whatever the hub starts dies with it, even a SIGKILLed hub (ddplab/course/proxy_guard.py);",
+        "# the hub's pid (this file runs in the hub) ends too what it started just before it died.",
+        "GUARD = [PYTHON, '-m', 'ddplab.course.proxy_guard', '--parent', str(os.getpid())]",
         f"c.ConfigurableHTTPProxy.command = GUARD + [{proxy_cmd!r}]",
         "# The hub's own state (sessions, tokens) in a folder only the hub's user reads.",
         "(HERE / 'hub').mkdir(mode=0o700, exist_ok=True)",
@@ -85,6 +90,12 @@ def render(*, folder: str, learners: list[str], admin: str, gpus_per_learner: in
         "c.JupyterHub.pid_file = str(HERE / 'hub' / 'jupyterhub.pid')",
         "c.JupyterHub.cleanup_servers = True  # the hub's stop stops every learner's server",
         "c.JupyterHub.shutdown_on_logout = True  # logging out stops that learner's server",
+        "",
+        "# Wrong passwords past these limits are refused at once, without checking the password",
+        "# (ddplab/course/logins.py): a burst of them would hold up everybody's log-in.",
+        "from ddplab.course.logins import LoginLimits, RateLimitedLogins",
+        "",
+        "LIMITS = LoginLimits(per_name={}, per_address={}, window_s={})".format(*login_limits),
         "",
         "# Only the roster and the instructor log in: no allow_all (it would override the list).",
         "c.Authenticator.allowed_users = set(LEARNERS) | {INSTRUCTOR}",
@@ -95,11 +106,22 @@ def render(*, folder: str, learners: list[str], admin: str, gpus_per_learner: in
             "# UNSAFE one-account mode (--trusted-class): every server runs as the hub's user, so",
             "# every learner can read the solutions, the gradebook and each other's work.",
             "# One class password for the learners, one for the instructor, from the environment.",
-            f"missing = [v for v in {PASSWORD_VARS!r} if len(os.environ.get(v, '')) < 8]",
+            "# JupyterHub's SharedPasswordAuthenticator wants 8 characters or more, 32 for the admin's.",
+            f"missing = [f'{{v}} ({{n}} characters or more)' for v, n in zip({PASSWORD_VARS!r}, (8, 32))",
+            "           if len(os.environ.get(v, '')) < n]",
+            f"if not missing and os.environ[{PASSWORD_VARS[0]!r}] == os.environ[{PASSWORD_VARS[1]!r}]:",
+            "    missing = ['two different passwords']",
             "if missing:",
-            "    raise SystemExit(f'set {\" and \".join(missing)} (8 characters or more) before starting '",
+            "    raise SystemExit(f'set {\" and \".join(missing)} before starting '",
             "                     'the hub: this class has no other passwords')",
-            "c.JupyterHub.authenticator_class = 'shared-password'",
+            "from jupyterhub.authenticators.shared import SharedPasswordAuthenticator",
+            "",
+            "",
+            "class ClassAuthenticator(RateLimitedLogins, SharedPasswordAuthenticator):",
+            "    limits = LIMITS",
+            "",
+            "",
+            "c.JupyterHub.authenticator_class = ClassAuthenticator",
             f"c.SharedPasswordAuthenticator.user_password = os.environ[{PASSWORD_VARS[0]!r}]",
             f"c.SharedPasswordAuthenticator.admin_password = os.environ[{PASSWORD_VARS[1]!r}]",
         ]
@@ -120,7 +142,9 @@ def render(*, folder: str, learners: list[str], admin: str, gpus_per_learner: in
             "    close_checkout()",
             "",
             "",
-            "class ClassAuthenticator(PAMAuthenticator):",
+            "class ClassAuthenticator(RateLimitedLogins, PAMAuthenticator):",
+            "    limits = LIMITS",
+            "",
             "    # PAM's `nullok` would let an account without a password in with an empty one.",
             "    async def authenticate(self, handler, data):",
             "        if not data.get('password'):",

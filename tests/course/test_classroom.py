@@ -137,11 +137,11 @@ def test_classroom_writes_a_hub_config_a_course_and_a_readme(tmp_path):
     for expected in ["LEARNERS = ['ann', 'bob']", "INSTRUCTOR = 'instructor'",
                      "c.Authenticator.allowed_users = set(LEARNERS) | {INSTRUCTOR}",
                      "Seats(gpus_per_learner=0, threads=1)",
-                     "GUARD = [PYTHON, '-m', 'ddplab.course.proxy_guard']",
+                     "GUARD = [PYTHON, '-m', 'ddplab.course.proxy_guard', '--parent', str(os.getpid())]",
                      f"c.ConfigurableHTTPProxy.command = GUARD + [{str(Path(sys.executable).resolve())!r}]",
                      "c.Spawner.cmd = GUARD + [PYTHON, '-m', 'jupyterhub.singleuser']",
                      "'command': GUARD + [", "jupyterhub_idle_culler",
-                     "c.JupyterHub.ip = '127.0.0.1'", "SimpleLocalProcessSpawner", "shared-password"]:
+                     "c.JupyterHub.ip = '127.0.0.1'", "SimpleLocalProcessSpawner", "SharedPasswordAuthenticator"]:
         assert expected in config, expected
     assert "allow_all =" not in config and "DummyAuthenticator" not in config
     course = (room / "course" / "nbgrader_config.py").read_text()
@@ -166,7 +166,7 @@ def render(**changes):
 def test_by_default_learners_are_accounts_checked_by_pam_and_only_the_roster_logs_in():
     text = render()
     compile(text, "jupyterhub_config.py", "exec")
-    assert "class ClassAuthenticator(PAMAuthenticator)" in text and "check_logins(" in text
+    assert "class ClassAuthenticator(RateLimitedLogins, PAMAuthenticator)" in text and "check_logins(" in text
     assert "LocalProcessSpawner" in text and "SimpleLocalProcessSpawner" not in text
     assert "allow_root" not in text and "allow_all =" not in text and "DummyAuthenticator" not in text
 
@@ -192,6 +192,10 @@ def test_an_account_without_a_password_stops_the_hub_before_it_starts(tmp_path):
         check_logins(["root", "nobody"], shadow=str(shadow))
     with pytest.raises(AccountError, match="no Unix account"):
         check_logins(["no-such-learner-xyz"], shadow=str(shadow))
+    shadow.write_text("root:!$y$j9T$abc:19000:0:99999:7:::\nnobody:*:19000:0:99999:7:::\n")
+    for locked in ("root", "nobody"):  # locked, and never set: PAM lets neither in with a password
+        with pytest.raises(AccountError, match=f"{locked} cannot log in with a password"):
+            check_logins([locked], shadow=str(shadow))
 
 
 def test_help_names_the_one_account_mode_unsafe():
