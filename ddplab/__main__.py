@@ -6,35 +6,43 @@ import sys
 
 
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    # Only the chosen command's own arguments are built: `compare`'s and `link`'s import torch (a
+    # few seconds), which `classroom`, `view` and a plain --help have no need to wait for.
+    chosen = next((a for a in argv if not a.startswith("-")), None)
     parser = argparse.ArgumentParser(prog="python -m ddplab", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     doc = sub.add_parser("doctor", help="torch version, backends, GPUs, usable CPUs, what backend='auto' picks")
     doc.add_argument("--world-size", type=int, action="append",
                      help="world size(s) to show the 'auto' choice for (repeatable)")
-    from ddplab.cli.compare import add_arguments
-
     cmp = sub.add_parser("compare", help="every strategy side by side in one run (JSON, trace, HTML)")
-    add_arguments(cmp)
-    from ddplab.cli import view
+    if chosen == "compare":
+        from ddplab.cli.compare import add_arguments
 
+        add_arguments(cmp)
     see = sub.add_parser("view", help="saved runs (ddplab.record's run.json) side by side, as a page")
-    view.add_arguments(see)
-    from ddplab.cli import link
+    if chosen == "view":
+        from ddplab.cli import view
 
+        view.add_arguments(see)
     lnk = sub.add_parser("link", help="your link measured under torchrun: all-reduce times and the ring "
                                       "model fitted to them, as the JSON the what-if takes (link=)",
                          description="Your own link measured, under the launcher you train with: "
                                      "`torchrun --nproc-per-node 2 -m ddplab link -o link.json`; then "
                                      "ddplab.measure.whatif.predict(recording, link='link.json'). "
                                      "See docs/recording.md.")
-    link.add_arguments(lnk)
-    from ddplab.course import classroom
+    if chosen == "link":
+        from ddplab.cli import link
 
+        link.add_arguments(lnk)
     what = "a JupyterHub + nbgrader set-up for a class: learners' servers on this machine or as Slurm jobs"
     room = sub.add_parser("classroom", help=what, description=(
         f"{what}. --spawner local (the default) or systemd runs every learner's JupyterLab on this server; "
         "--spawner slurm submits each one as a Slurm job on the cluster's nodes (docs/hpc.md)."))
-    classroom.add_arguments(room)
+    if chosen == "classroom":
+        from ddplab.course import classroom
+
+        classroom.add_arguments(room)
     args = parser.parse_args(argv)
     if args.command == "classroom":
         return classroom.run(args, room)
