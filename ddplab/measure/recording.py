@@ -34,20 +34,26 @@ What is stamped, and from where (every stamp says its source):
   from torch's logging data with their ready times, and their communication is
   marked not measured.
 
-The recording finishes by itself at the end of the last step asked for: right
-after its optimizer step (DDP has waited for every bucket by then, so the next
-collective is safe on every rank), else at the next forward. Then every rank
-aligns its clock with rank 0's (``ddplab.timeline.clock``), rank 0 gathers the
-parts and, on a thread of its own (off the training step; ``wait()`` joins it),
-writes ``out.json`` (the timeline, the parameters, torch's logging data),
-``out.trace.json`` (Perfetto / chrome://tracing) and, when given a page writer
-(``ddplab.record`` gives the labs' figures), ``out.html``.
+The recording finishes by itself at the end of the last step asked for:
+right after its optimizer step (DDP has waited for every bucket by then), else
+at the next forward. That step pays only for what must happen between steps on
+every rank alike (the hooks removed, the comm-hook slot given back). The rest
+runs on a thread of the recorder's own while your loop goes on: every rank
+aligns its clock with rank 0's (``ddplab.timeline.clock``), the ranks gather
+their parts to rank 0 on a gloo group made for it at ``record()`` (never on
+the training's group, whose collectives that thread would interleave with:
+ddplab.measure.recording_gather), and rank 0 writes ``out.json`` (the
+timeline, the parameters, torch's logging data), ``out.trace.json`` (Perfetto
+/ chrome://tracing) and, when given a page writer (``ddplab.record`` gives the
+labs' figures), ``out.html``. ``wait()`` joins that thread; ``timeline`` waits
+for the gathering; the interpreter waits for it before it exits (not a daemon).
 A run that ends before that (a shorter loop, no ``torch.optim`` optimizer, the
 process group destroyed, an error) is never silent: at exit, rank 0 says which
 steps were recorded, that nothing was written and what to call
-(``rec.finish()`` on every rank, before ``destroy_process_group``).
-``finish()`` never waits forever for a rank that does not come: its first
-collective is a barrier with a time limit. (The endings: ddplab.measure.recording_end.)
+(``rec.finish()`` on every rank, before ``destroy_process_group``). Called
+by you, ``finish()`` waits for the gathering and raises what it raised; it never
+waits forever for a rank that does not come: its first collective is a barrier
+with a time limit. (The endings: ddplab.measure.recording_end.)
 
 Leaves out, compared with the profiler: kernels and memory. On NCCL the
 phases, the gradients' ready times and each bucket's all-reduce are CUDA events
@@ -58,17 +64,20 @@ future only, and an NCCL future completes when the work is queued: its end is
 then not measured (said in the run's meta). Written and tested against a fake
 NCCL and a fake CUDA device; never run on a GPU here.
 References: torch/nn/parallel/distributed.py (register_comm_hook,
-_get_ddp_logging_data); torch.Tensor.register_post_accumulate_grad_hook;
+_get_ddp_logging_data); torch.Tensor.register_post_accumulate_grad_hook; Python's
+threading (the interpreter joins threads that are not daemons before it exits);
 torch/distributed/algorithms/ddp_comm_hooks/default_hooks.py (allreduce_hook).
 """
 from __future__ import annotations
 
 import json
+import sys
 import threading
 from pathlib import Path
 
 from ddplab.launchers import jobstore
-from ddplab.measure.recording_end import DESTROYED, FINISH_TIMEOUT_S, UNFINISHED, gather, group_alive, machine
+from ddplab.measure.recording_end import DESTROYED, FINISH_TIMEOUT_S, UNFINISHED, group_alive, machine
+from ddplab.measure.recording_gather import SideGroup, gather
 from ddplab.measure.recording_hooks import fresh_reducer, python_hook, wrappable
 from ddplab.measure.recording_layout import NOT_MEASURED, buckets_from_logging, logged_buckets
 from ddplab.timeline.clock import now
@@ -97,6 +106,9 @@ class RunRecorder:
         self.group = process_group if process_group is not None else ddp_model.process_group
         self.rank, self.world = dist.get_rank(self.group), dist.get_world_size(self.group)
         self.backend = dist.get_backend(self.group)
+        # finish()'s own group, made now: making it is a meeting of every rank (see
+        # ddplab.measure.recording_gather), and record() is called at the same point on each
+        self.side = SideGroup(self.group, FINISH_TIMEOUT_S)
         self.params = list(ddp_model.module.parameters())
         self.names = [n for n, _ in ddp_model.module.named_parameters()]
         self._index = {id(p): i for i, p in enumerate(self.params)}
@@ -133,8 +145,11 @@ class RunRecorder:
         # until then the reducer holds ONE bucket (distributed.py, compute_bucket_size_limits)
         self._rebuilt = not (getattr(ddp_model, "static_graph", False)
                              or not getattr(ddp_model, "find_unused_parameters", False))
-        self.timeline: Timeline | None = None  # rank 0's gathered run, after finish()
         self.finished = False
+        self._finishing: threading.Thread | None = None  # gathers, then writes (rank 0)
+        self._gathered = threading.Event()
+        self._timeline: Timeline | None = None  # rank 0's gathered run
+        self._gather_error: BaseException | None = None
         self._ready: dict[int, float] = {}
         self._user_hook = None
         # the one comm-hook slot (ddplab.measure.recording_hooks): a Python hook of yours
@@ -288,7 +303,7 @@ class RunRecorder:
         self.step += 1
         self._micro, self._synced, self._nosync = 0, False, None
         if self.step == self.steps.stop:
-            self.finish()
+            self._stop(FINISH_TIMEOUT_S, waited_for=False)  # training goes on while it gathers
 
     @staticmethod
     def _dispatch(state: "RunRecorder", bucket):
@@ -346,12 +361,31 @@ class RunRecorder:
     # -- the end ---------------------------------------------------------------------------
     def finish(self, timeout: float = FINISH_TIMEOUT_S) -> Timeline | None:
         """Stop recording; on EVERY rank (it runs collectives), before the process group is
-        destroyed. Called by itself at the end of the last step asked for; call it yourself
-        if the loop ends sooner. Returns the gathered run on rank 0 (None elsewhere) and
-        writes the files there. A rank that does not reach it within ``timeout`` seconds
-        makes it raise (in words) instead of waiting for the group's own timeout."""
-        if self.finished:
-            return self.timeline
+        destroyed. Called by itself at the end of the last step asked for (then it gathers
+        on a thread while training goes on); call it yourself if the loop ends sooner: then
+        it waits for the gathering. Returns the gathered run on rank 0 (None elsewhere) and
+        writes the files there (on that thread: ``wait()``). A rank that does not reach it
+        within ``timeout`` seconds makes it raise (in words) instead of waiting for the
+        group's own timeout."""
+        if not self.finished:
+            self._stop(timeout, waited_for=True)
+        return self.timeline
+
+    @property
+    def timeline(self) -> Timeline | None:
+        """Rank 0's gathered run (None on the other ranks, and before finish()). Reading it
+        waits for the gathering (not for the files), and raises what the gathering raised."""
+        if self._finishing is None:
+            return None
+        self._gathered.wait()
+        if self._gather_error is not None:
+            raise self._gather_error
+        return self._timeline
+
+    def _stop(self, timeout: float, waited_for: bool) -> None:
+        """What must happen between two steps, on every rank alike; then the gathering and
+        the files on a thread. ``waited_for``: a call of yours will raise its error (else the
+        thread says it)."""
         if not group_alive(self.group):
             self.finished = True
             UNFINISHED.discard(self)
@@ -361,8 +395,9 @@ class RunRecorder:
         for h in self._handles:
             h.remove()
         # torch's layout and logging data as the recorded steps ran (before a fresh reducer)
-        logged = logged_buckets(self.ddp)
-        logging = {k: v for k, v in self.ddp._get_ddp_logging_data().items() if isinstance(v, (int, float, str))}
+        meta = {"logged_bucket_sizes": logged_buckets(self.ddp), "machine": machine(self.world),
+                "ddp_logging_data": {k: v for k, v in self.ddp._get_ddp_logging_data().items()
+                                     if isinstance(v, (int, float, str))}}
         if self.comm_measured and self._user_hook is None:  # the hook slot empty again
             del self.ddp.register_comm_hook  # torch's own method again
             fresh_reducer(self.ddp)
@@ -381,37 +416,49 @@ class RunRecorder:
                          steps_are="optimizer steps", forwards_without_backward=self._evals)
         if not self.comm_measured:
             buckets_from_logging(self, part)
-        clock, parts = gather(part.to_dict(), self.group, self.rank, self.world, timeout)
-        if self.rank != 0:
-            return None
-        tl = Timeline.merge([Timeline.from_dict(p) for p in parts]).shifted(clock["offsets"])
-        tl.meta.pop("place", None)  # rank 0's alone: every rank's is in "ranks"
-        tl.meta["ranks"] = [{"rank": r, **(p.get("meta") or {}).get("place", {})} for r, p in enumerate(parts)]
-        tl.meta.update(clock_bound_s=clock["bound_s"], logged_bucket_sizes=logged,
-                       machine=machine(self.world), ddp_logging_data=logging)
-        self.timeline = tl
-        if self.out is not None:
-            # Drawing the page takes seconds: off the training step, on a thread of its own.
-            # Not a daemon, so the interpreter waits for the files before it exits; wait()
-            # waits here (and raises what the writing raised).
-            self._writer = threading.Thread(target=self._write, name="ddplab.record writer")
-            self._writer.start()
-        return tl
+        # Not a daemon: the interpreter waits for it before it exits (and so does
+        # ddplab.launchers.torchrun.finish before its os._exit).
+        self._finishing = threading.Thread(target=self._gather_and_write, name="ddplab.record finish",
+                                           args=(part, meta, timeout, waited_for))
+        self._finishing.start()
 
-    def _write(self) -> None:
+    def _gather_and_write(self, part, meta: dict, timeout: float, waited_for: bool) -> None:
+        """On the recorder's thread: the gathering (on its own group), then the files (rank 0)."""
         try:
-            self.paths = self.save(self.out)
-        except BaseException as e:  # said by wait(); a thread's error would go to stderr only
-            self._write_error = e
+            start = now()
+            clock, parts = gather(part.to_dict(), self.side, timeout)
+            meta["gathered"] = [start, now()]  # on rank 0's clock: after the last recorded step
+            if self.rank == 0:
+                tl = Timeline.merge([Timeline.from_dict(p) for p in parts]).shifted(clock["offsets"])
+                tl.meta.pop("place", None)  # rank 0's alone: every rank's is in "ranks"
+                tl.meta["ranks"] = [{"rank": r, **(p.get("meta") or {}).get("place", {})}
+                                    for r, p in enumerate(parts)]
+                tl.meta.update(meta, clock_bound_s=clock["bound_s"])
+                self._timeline = tl
+        except BaseException as e:  # raised by finish(), wait() and timeline
+            self._gather_error = e
+            if not waited_for:  # nobody's call is there to raise it: say it now
+                print(e, file=sys.stderr, flush=True)
+            return
+        finally:
+            self.side.close()
+            self._gathered.set()
+        if self.rank == 0 and self.out is not None:
+            try:
+                self.paths = self.save(self.out)
+            except BaseException as e:  # said by wait(); a thread's error would go to stderr only
+                self._write_error = e
 
     def wait(self, timeout: float | None = None) -> dict:
-        """Wait for finish()'s files (rank 0; written in the background): their paths."""
-        writer = getattr(self, "_writer", None)
-        if writer is not None:
-            writer.join(timeout)
-            if writer.is_alive():
-                raise TimeoutError(f"ddplab.record: {self.out}.html is still being written after "
-                                   f"{timeout:g} s")
+        """Wait for finish()'s gathering and files (rank 0 writes them in the background):
+        their paths. Raises what the gathering or the writing raised."""
+        if self._finishing is not None:
+            self._finishing.join(timeout)
+            if self._finishing.is_alive():
+                raise TimeoutError(f"ddplab.record: {self.out} is still being gathered or written "
+                                   f"after {timeout:g} s")
+        if self._gather_error is not None:
+            raise self._gather_error
         if getattr(self, "_write_error", None) is not None:
             raise RuntimeError(f"ddplab.record: writing {self.out} failed") from self._write_error
         return getattr(self, "paths", {})

@@ -6,6 +6,9 @@ by itself at the end of the last step asked for (ddplab.measure.recording).
 When the run ends before that (a shorter loop, the process group destroyed, an
 error), nothing can be gathered any more, so the recorder says so instead:
 at exit, rank 0 prints one line naming the steps recorded and what to call.
+A gathering that fails after the recorder finished by itself (a rank died, or
+never came) runs on a thread where no call of yours can receive the error, so
+each rank where it failed prints it at once (ddplab.measure.recording).
 
 Also here: what rank 0's machine looked like while it recorded (cores, load
 average), which the what-if reads to say when it cannot be trusted.
@@ -21,41 +24,14 @@ import atexit
 import os
 import sys
 import weakref
-from datetime import timedelta
 
-FINISH_TIMEOUT_S = 120.0  # finish()'s first barrier: how long a rank waits for the others
+FINISH_TIMEOUT_S = 120.0  # how long a rank waits for the others: at record() and finish()'s first barrier
 UNFINISHED: weakref.WeakSet = weakref.WeakSet()  # RunRecorders not finished yet
 
 
 DESTROYED = ("ddplab.record: the process group was destroyed before finish(), so the ranks' "
              "parts cannot be gathered and nothing was written: call rec.finish() on every "
              "rank BEFORE dist.destroy_process_group()")
-
-
-def gather(part: dict, group, rank: int, world: int, timeout: float):
-    """finish()'s collectives: (clock offsets, every rank's part), or an error in words.
-
-    A rank that never comes (its loop ended sooner, it skipped finish()) must not keep the
-    others here until the group's own timeout (30 min by default): the first barrier waits
-    ``timeout`` seconds at most. A rank that died makes the collectives fail; said the same way."""
-    import torch.distributed as dist
-
-    from ddplab.timeline.clock import estimate_offsets
-
-    try:
-        work = dist.barrier(group=group, async_op=True)
-        if work is not None:
-            work.wait(timeout=timedelta(seconds=timeout))
-        clock = estimate_offsets(group=group)
-        parts = [None] * world
-        dist.all_gather_object(parts, part, group=group)
-    except RuntimeError as e:
-        raise RuntimeError(
-            f"ddplab.record: finish() on rank {rank} could not gather the run ({e}); nothing "
-            f"was written. Every rank must reach finish() within {timeout:g} s: call "
-            "rec.finish() on every rank at the same point of the loop (or let it finish by "
-            "itself at the end of the last step asked for)") from e
-    return clock, parts
 
 
 def _steps_text(first: int, last: int) -> str:

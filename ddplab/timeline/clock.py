@@ -17,7 +17,7 @@ import statistics
 
 from ddplab.contracts.clock import now  # the one clock every stamp uses (re-exported here)
 
-__all__ = ["now", "estimate_offsets"]
+__all__ = ["now", "estimate_offsets", "offsets_from"]
 
 
 def estimate_offsets(rounds: int = 9, group=None) -> dict:
@@ -36,6 +36,14 @@ def estimate_offsets(rounds: int = 9, group=None) -> dict:
         gathered = [torch.zeros(1, dtype=torch.float64, device=on) for _ in range(world)]
         dist.all_gather(gathered, t, group=group)
         samples.append([g.item() - gathered[0].item() for g in gathered])
+    return offsets_from(samples)
+
+
+def offsets_from(samples: list) -> dict:
+    """The estimate from rounds of readings: ``samples[i][r]`` is rank r's clock minus rank 0's
+    in round i, read just after a barrier. The median per rank, and half the widest spread as
+    the bound."""
+    world = len(samples[0])
     offsets = {r: statistics.median(s[r] for s in samples) for r in range(world)}
     bound = max((max(s[r] for s in samples) - min(s[r] for s in samples)) / 2
                 for r in range(world))

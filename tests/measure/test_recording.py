@@ -230,3 +230,81 @@ def test_lab_10_measures_the_link_when_the_recording_cannot_teach_it(cluster2, c
     assert scope["here"]["best"] in scope["CAPS"]
     best = scope["here"]["predictions"][scope["here"]["best"]]
     assert best.meta["whatif"]["link"]["label"] == link.label  # predicted on a measured link
+
+
+def train_past_the_recording(out):
+    """On every rank: steps 1-3 of an 8-step loop recorded; rank 0 notes when each step of its
+    loop starts. Steps 4-7 all-reduce on the training's group while the recorder gathers."""
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from ddplab.measure.recording import logged_buckets, record
+    from ddplab.timeline.clock import now
+
+    rank = dist.get_rank()
+    torch.manual_seed(rank)  # different weights on each rank: DDP broadcasts rank 0's
+    ddp = DDP(torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 256),
+                                  torch.nn.ReLU(), torch.nn.Linear(256, 8)), bucket_cap_mb=0.1)
+    rec = record(ddp, steps=range(1, 4), out=out if rank == 0 else None)  # no page: seconds saved
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
+    g = torch.Generator().manual_seed(100 + rank)
+    starts = []
+    for _ in range(8):
+        starts.append(now())
+        ddp(torch.randn(16, 64, generator=g)).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+    rec.wait()
+    replicas = [None, None]
+    dist.all_gather_object(replicas, [p.detach() for p in ddp.parameters()])
+    return {"timeline": None if rec.timeline is None else rec.timeline.to_dict(), "starts": starts,
+            "logged_now": logged_buckets(ddp),  # the reducer finish() rebuilt, rebuilt again by torch
+            "agree": max((a - b).abs().max().item() for a, b in zip(*replicas))}
+
+
+@pytest.mark.more  # a Cluster job: about 5 s here
+def test_the_gathering_runs_after_the_last_recorded_step_while_training_goes_on(cluster2, tmp_path):
+    from ddplab.measure.recording import load_run
+    from ddplab.timeline import Timeline
+
+    out = tmp_path / "run"
+    r0, r1 = cluster2.run(train_past_the_recording, str(out))
+    assert r1["timeline"] is None
+    assert r0["agree"] == 0.0 and r1["agree"] == 0.0  # the gathering never met training's all-reduces
+    tl = Timeline.from_dict(r0["timeline"])
+    start, end = tl.meta["gathered"]
+    assert tl.iteration(0, 3).end <= start  # the last recorded step ended before the gathering began,
+    assert r0["starts"][4] < end  # and the next step began before it was over: not inside step 3
+    saved = load_run(out.with_suffix(".json"))
+    assert saved.to_dict() == json.loads(json.dumps(r0["timeline"]))  # the file is the gathered run
+    assert [it.iteration for it in saved.iterations if it.rank == 1] == [1, 2, 3]
+    for rank in (0, 1):
+        assert [b.nbytes for b in saved.buckets_of(rank, 3)] == saved.meta["logged_bucket_sizes"]
+    assert saved.meta["logged_bucket_sizes"] == r0["logged_now"] and len(r0["logged_now"]) > 1
+
+
+def meet_alone_then_together(timeout):
+    """Rank 0 makes the recorder's group while rank 1 does not; then both make one."""
+    import torch.distributed as dist
+
+    from ddplab.measure.recording_gather import SideGroup
+
+    said = None
+    if dist.get_rank() == 0:
+        try:
+            SideGroup(dist.group.WORLD, timeout)
+        except RuntimeError as e:
+            said = str(e)
+    dist.barrier()
+    side = SideGroup(dist.group.WORLD, timeout)  # the count at the store is whole again
+    return said, side.all_gather_object(dist.get_rank())
+
+
+@pytest.mark.more  # a Cluster job: about 4 s here
+def test_record_on_one_rank_only_says_so_and_the_next_record_still_meets(cluster2):
+    (said, parts), (none, _) = cluster2.run(meet_alone_then_together, 2.0)
+    assert none is None and parts == [0, 1]
+    assert said.startswith("ddplab.record() on rank 0: the other ranks did not call ddplab.record() "
+                           "within 2 s")
+    assert said.endswith("call it on every rank, at the same point of your script")
