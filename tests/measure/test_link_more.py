@@ -18,12 +18,6 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(300), pytest.mark.more]
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 LAUNCHERS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "SLURM_PROCID",
              "OMPI_COMM_WORLD_RANK")
-# A fitted time may be this far from the time it was fitted on, either way. The line has 2
-# parameters for 3 sizes, each a median of 9 on 2 shared cores (often loaded by other work), so
-# a size's median moves by tens of percent from run to run. A conversion wrong by a ring factor
-# (the latency counted once instead of 2(p-1) times, the bytes not scaled by 2(p-1)/p) puts the
-# small or the large size off by 2x, past this.
-FACTOR = 1.5
 
 
 def ddplab(*args, torchrun=True, timeout=240):
@@ -34,15 +28,25 @@ def ddplab(*args, torchrun=True, timeout=240):
                           capture_output=True, text=True, timeout=timeout)
 
 
-def fits_what_it_measured(m):
-    """The fit, read in the netsim's ring terms, against the times it was fitted on."""
+def fitted_from_its_own_times(m):
+    """The file's fit is the ring model fitted to the file's own times, and its predictions are
+    that model's. (How close the model comes to each time is the machine's noise, not the
+    command's: on 2 shared cores a size's median moves by tens of percent between runs, so it is
+    not asserted here; tests/measure/test_link.py checks that the fit gives back, at 2 and 4
+    ranks, the link that made the times.)"""
+    from ddplab.measure.link import fit_link
+
+    again = fit_link(m["sizes_bytes"], m["seconds"], m["world_size"])
     fit, p = m["fit"], m["world_size"]
-    for n, t in zip(m["sizes_bytes"], m["seconds"]):
-        ring = 2 * (p - 1) * fit["latency_s"] + 2 * (p - 1) / p * n / fit["bandwidth_bytes_per_s"]
-        assert 1 / FACTOR <= ring / t <= FACTOR, (n, ring, t, fit)
+    assert again["latency_s"] == pytest.approx(fit["latency_s"])
+    assert again["bandwidth_bytes_per_s"] == pytest.approx(fit["bandwidth_bytes_per_s"])
+    ring = [2 * (p - 1) * fit["latency_s"] + 2 * (p - 1) / p * n / fit["bandwidth_bytes_per_s"]
+            for n in m["sizes_bytes"]]
+    assert ring == pytest.approx(fit["predicted_seconds"])
+    assert fit["latency_s"] > 0 and fit["bandwidth_bytes_per_s"] > 0
 
 
-def test_under_torchrun_it_writes_a_fit_that_predicts_what_it_measured(tmp_path):
+def test_under_torchrun_it_writes_the_ring_model_fitted_to_what_it_measured(tmp_path):
     from ddplab.measure.link import load_link
     from ddplab.measure.whatif import predict
 
@@ -58,7 +62,7 @@ def test_under_torchrun_it_writes_a_fit_that_predicts_what_it_measured(tmp_path)
     by_rank = m["seconds_by_rank"]
     assert len(by_rank) == 2 and m["seconds"] == [max(a, b) for a, b in zip(*by_rank)]
     fit, p = m["fit"], 2
-    fits_what_it_measured(m)
+    fitted_from_its_own_times(m)
     # the LinkModel the what-if builds from the file says the same
     model, _ = load_link(out)
     assert [model.allreduce_seconds(n, p) for n in m["sizes_bytes"]] == pytest.approx(fit["predicted_seconds"])
