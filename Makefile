@@ -4,6 +4,9 @@
 #   make test-fast  the unit tests not marked slow or more (<= 90 s): one quick pass over every package
 #   make check      make test, then everything too long for it (<= 45 min); what CI runs
 PYTHON ?= python3
+# Kept out of the recipes' environment (sub-makes still get a command-line value): an exported
+# PYTHON would reach the Slurm jobs of make test-slurm, whose batch files honour PYTHON=.
+unexport PYTHON HUB_VENV
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.ddplab-installed
