@@ -57,8 +57,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--warmup", type=int, default=2, help="untimed all-reduces per size before timing")
     parser.add_argument("--backend", default="auto", choices=("auto", "gloo", "nccl"),
                         help="auto: nccl when every rank has a GPU of its own, else gloo")
-    parser.add_argument("--timeout", type=float, default=120.0,
+    parser.add_argument("--timeout", type=positive_seconds, default=120.0,
                         help="seconds a collective may wait for a rank before the measurement fails")
+
+
+def positive_seconds(text: str) -> float:
+    """--timeout: seconds above 0 (0 would time every collective out at once, and gloo refuses
+    a negative timeout with an internal error)."""
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be more than 0 seconds, got {text}")
+    return value
 
 
 def refusal(out: Path):
@@ -72,8 +81,14 @@ def refusal(out: Path):
         return (f"ddplab link: no process group to measure ({', '.join(missing)} not set): run it under "
                 "torchrun, e.g. `torchrun --nproc-per-node 2 -m ddplab link -o link.json`, or srun; in a "
                 "notebook, cluster.run(ddplab.measure.link.measure_link, out='link.json')")
-    if os.environ["RANK"] == "0" and not out.resolve().parent.is_dir():
-        return f"ddplab link: cannot write {out}: the folder {out.resolve().parent} does not exist"
+    if os.environ["RANK"] == "0":  # found before the measurement, not after it, so nothing is lost
+        folder = out.resolve().parent
+        if not folder.is_dir():
+            return f"ddplab link: cannot write {out}: the folder {folder} does not exist"
+        if out.is_dir():
+            return f"ddplab link: cannot write {out}: it is a folder; give a file name, e.g. -o {out / 'link.json'}"
+        if not os.access(folder, os.W_OK) or (out.exists() and not os.access(out, os.W_OK)):
+            return f"ddplab link: cannot write {out}: no permission to write there; give -o a path you can write"
     return None
 
 

@@ -128,3 +128,22 @@ def test_on_a_clusters_rank_measuring_waits_for_the_ranks_background_import(monk
     t0 = time.monotonic()
     wait_for_cluster_import(limit_s=10)
     assert time.monotonic() - t0 < 1
+
+
+def test_an_output_path_rank_0_cannot_write_is_refused_before_measuring(tmp_path, monkeypatch):
+    import argparse
+
+    from ddplab.cli.link import add_arguments, refusal
+
+    for name, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "2"), ("MASTER_ADDR", "127.0.0.1"),
+                        ("MASTER_PORT", "29500")):
+        monkeypatch.setenv(name, value)
+    assert refusal(tmp_path / "link.json") is None
+    assert "it is a folder" in refusal(tmp_path)
+    assert "does not exist" in refusal(tmp_path / "no" / "link.json")
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    for bad in ("0", "-5"):
+        with pytest.raises(SystemExit):
+            parser.parse_args(["--timeout", bad])
+    assert parser.parse_args(["--timeout", "2.5"]).timeout == 2.5
