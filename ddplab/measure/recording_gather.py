@@ -14,7 +14,8 @@ rank's next gradient all-reduce. So it gathers on a second group, used by that t
   store and connects to every other (gloo's full mesh), so ``record()`` waits for the
   others, for ``FINISH_TIMEOUT_S`` at most, then says in words that a rank did not come.
   The ranks agree on the group's name with no message: each counts itself in at the store
-  (``store.add``), and a rank that gives up counts itself out again;
+  (``store.add``), and a rank that gives up counts itself out again and marks that name
+  spoiled (the address it posted there is closed), so the next meeting takes a fresh one;
 - gloo, also under NCCL: the parts travel pickled, in CPU tensors, so no GPU and no current
   CUDA device is needed for them;
 - a ``ProcessGroupGloo`` built over a ``PrefixStore`` of the job's store, as torch builds
@@ -64,10 +65,17 @@ class SideGroup:
         # counts itself in, and none can count itself into the next meeting before all have
         # met in this one (making the group waits for them), so the arrivals come in whole rounds.
         meeting = (store.add(key, 1) - 1) // self.world
+        # A meeting that failed left its ranks' addresses in the store, under its name, and
+        # those ports are closed now: the next meeting under the same number must not read
+        # them (gloo would connect to a port no one listens on). So a rank that gives up
+        # spoils the name first, and the ranks meet under the number of spoiled tries too.
+        spoiled = f"{key}/{meeting}/spoiled"
+        name = f"{key}/{meeting}/{store.add(spoiled, 0)}/"
         try:
-            self.pg = dist.ProcessGroupGloo(dist.PrefixStore(f"{key}/{meeting}/", store), self.rank,
+            self.pg = dist.ProcessGroupGloo(dist.PrefixStore(name, store), self.rank,
                                             self.world, timedelta(seconds=timeout))
         except RuntimeError as e:
+            store.add(spoiled, 1)
             # counted out again, so that the ranks' next record() meets under one number
             store.add(key, -1)
             raise RuntimeError(
