@@ -27,7 +27,10 @@ machine, or a link whose cost is not one line over these sizes (a protocol switc
 
 Rank 0 writes the measurement as JSON (``write_link``); ``load_link`` turns the file into a
 LinkModel labelled "link measured by ddplab link on <host>, <date>", which is what
-``ddplab.measure.whatif.predict(..., link="link.json")`` does.
+``ddplab.measure.whatif.predict(..., link="link.json")`` does (``link=`` also takes the dict
+``measure_link`` returned). Reading it back fits the times again: a file whose latency or
+bandwidth no longer follows from its times (edited by hand) is refused, and a fit that failed
+after measuring leaves the times in the file with no fit.
 
 Leaves out, compared with nccl-tests and torch: other collectives, dtypes other than float32,
 NCCL's algorithms and protocols (ring, tree; LL, LL128, Simple: one line through all of
@@ -91,6 +94,7 @@ def fit_link(sizes_bytes, seconds, world_size: int) -> dict:
             "latency_s": latency_s, "bandwidth_bytes_per_s": bandwidth,
             "latency_us": model.latency_us, "bandwidth_gbps": model.bandwidth_gbps,
             "predicted_seconds": predicted, "relative_residuals": residuals,
+            "sizes": len(set(xs)),  # two: the line goes through both, and the residuals are 0
             "max_abs_relative_residual": max(map(abs, residuals)),
             "rms_relative_residual": math.sqrt(sum(r * r for r in residuals) / len(residuals))}
 
@@ -148,18 +152,38 @@ def measure_link(group=None, sizes_bytes=DEFAULT_SIZES, repeats: int = 7, warmup
         "statistic": "median of the repeats on each rank; the slowest rank's median per size",
         "sizes_bytes": sizes, "seconds": seconds,
         "seconds_by_rank": [part["seconds"] for part in parts],
-        "fit": fit_link(sizes, seconds, p),  # the same data on every rank: the same answer, or refusal
     }
     if measurement["one_machine"]:
         measurement["note"] = ONE_MACHINE
-    off = measurement["fit"]["max_abs_relative_residual"]
-    if off > OFF_LINE:
-        measurement["warning"] = (f"a measured time is {100 * off:.0f}% off the fitted line: the machine was "
-                                  "busy, or the link's cost is not one line over these sizes; measure again "
-                                  "on a quiet machine, or over a narrower range (--sizes)")
+    try:  # the same data on every rank: the same answer, or the same refusal
+        measurement["fit"] = fit_link(sizes, seconds, p)
+    except ValueError as e:
+        # the minutes of measuring are not thrown away: the times are written without a fit
+        measurement["fit"], measurement["fit_error"] = None, str(e)
+        if out is not None and rank == 0:
+            write_link(measurement, out)
+        raise ValueError(f"{e}" + (f" (the measured times are in {out}, without a fit)" if out is not None
+                                   else "")) from None
+    warning = fit_warning(measurement["fit"])
+    if warning:
+        measurement["warning"] = warning
     if out is not None and rank == 0:
         write_link(measurement, out)
     return measurement
+
+
+def fit_warning(fit: dict):
+    """What the file's ``warning`` says about ``fit``, or None when the line fits the times."""
+    if fit["sizes"] == 2:
+        return ("only two sizes were measured, and a line passes through any two points: the fit is "
+                "0% off by construction, which says nothing about how well the ring model describes "
+                "this link; measure three sizes or more (--sizes)")
+    off = fit["max_abs_relative_residual"]
+    if off > OFF_LINE:
+        return (f"a measured time is {100 * off:.0f}% off the fitted line: the machine was busy, or the "
+                "link's cost is not one line over these sizes; measure again on a quiet machine, or over "
+                "a narrower range (--sizes)")
+    return None
 
 
 def wait_for_cluster_import(limit_s: float = 120.0) -> None:
@@ -198,20 +222,58 @@ def load_link(path) -> tuple[LinkModel, dict]:
                          "(under the launcher you train with), or pass a preset name or a LinkModel")
     try:
         m = json.loads(path.read_text(encoding="utf-8"))
-        ok = isinstance(m, dict) and m.get("format") == FORMAT
     except (UnicodeDecodeError, json.JSONDecodeError):
-        ok = False
-    if not ok:
-        raise ValueError(f"{str(path)!r} is not a link measured by `python -m ddplab link` (its JSON has "
+        m = None
+    model, source = link_from_measurement(m, repr(str(path)))
+    source["file"] = str(path)
+    return model, source
+
+
+# what a measurement must hold to be read back, and what each must be
+FIELDS = {"world_size": int, "backend": str, "hosts": list, "date": str, "sizes_bytes": list,
+          "seconds": list, "fit": dict}
+
+
+def link_from_measurement(m, what: str = "the measurement") -> tuple[LinkModel, dict]:
+    """(LinkModel, where it came from) for what ``measure_link`` returned (or wrote, read back).
+
+    The model is fitted again from the measured times, and the file's own fit must agree with
+    it: a file whose latency or bandwidth was edited by hand would give a prediction labelled
+    "measured" for a link nobody measured."""
+    if not isinstance(m, dict) or m.get("format") != FORMAT:
+        raise ValueError(f"{what} is not a link measured by `python -m ddplab link` (its JSON has "
                          f"no \"format\": {FORMAT!r}); write one with `{COMMAND}`")
-    hosts = sorted(set(m["hosts"]))
+    if m.get("fit") is None and m.get("fit_error"):
+        raise ValueError(f"{what} holds measured times but no fit ({m['fit_error']}): measure again")
+    bad = [k for k, kind in FIELDS.items() if not isinstance(m.get(k), kind) or isinstance(m.get(k), bool)]
+    if bad:
+        raise ValueError(f"{what} lacks {', '.join(bad)} (or holds something else there): it was not "
+                         f"written whole by `python -m ddplab link`; write it again with `{COMMAND}`")
+    try:
+        fit = fit_link(m["sizes_bytes"], m["seconds"], m["world_size"])
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"{what}: its measured times cannot be fitted ({e}); measure again") from None
+    stored = m["fit"]
+    for key in ("latency_us", "bandwidth_gbps"):
+        value = stored.get(key)
+        if not isinstance(value, (int, float)) or not math.isclose(value, fit[key], rel_tol=1e-9, abs_tol=1e-12):
+            raise ValueError(
+                f"{what}: its fit's {key} ({value!r}) is not what its measured times give ({fit[key]:.6g}): "
+                "the file was edited. For a link of your own choosing, pass "
+                "LinkModel(bandwidth_gbps=..., latency_us=...) (ddplab.netsim.link) instead of a file")
+    hosts = sorted(set(map(str, m["hosts"])))
     where = hosts[0] if len(hosts) == 1 else f"{len(hosts)} machines ({', '.join(hosts)})"
     label = f"link measured by ddplab link on {where}, {m['date'][:10]}"
     label += (f" ({m['backend']}, {m['world_size']} ranks on one machine: not a network)" if len(hosts) == 1
               else f" ({m['backend']}, {m['world_size']} ranks)")
-    fit = m["fit"]
+    warning = fit_warning(fit)
+    if warning:  # said where the prediction is shown, not only in the file
+        label += "; only two sizes measured, the fit unchecked" if fit["sizes"] == 2 else \
+            f"; a measured time {100 * fit['max_abs_relative_residual']:.0f}% off the fit"
     model = LinkModel(fit["bandwidth_gbps"], fit["latency_us"], label)
-    source = {"file": str(path), "hosts": m["hosts"], "date": m["date"], "backend": m["backend"],
+    source = {"hosts": m["hosts"], "date": m["date"], "backend": m["backend"],
               "world_size": m["world_size"], "one_machine": len(hosts) == 1,
               "max_abs_relative_residual": fit["max_abs_relative_residual"]}
+    if warning:
+        source["warning"] = warning
     return model, source

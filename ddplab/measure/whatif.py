@@ -54,7 +54,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from ddplab.measure.link import COMMAND, is_link_file, load_link
+from ddplab.measure.link import COMMAND, FORMAT, is_link_file, link_from_measurement, load_link
 from ddplab.measure.profile import TARGET, Profile, read_profile, untrusted_reasons
 from ddplab.netsim.costmodel import fit
 from ddplab.netsim.link import LinkModel
@@ -121,6 +121,10 @@ def _link(prof: Profile, link):
     """(link model, its label, the measurement it came from or None)."""
     if is_link_file(link):  # measured by `python -m ddplab link`
         model, source = load_link(link)
+        return model, model.label, source
+    if isinstance(link, dict) and "format" in link:  # what measure_link returned, not yet written
+        model, source = link_from_measurement(link, f"the link= dict (format {link['format']!r}, not {FORMAT!r})"
+                                              if link["format"] != FORMAT else "the link= measurement")
         return model, model.label, source
     if link is not None:
         model = LinkModel.parse(link)

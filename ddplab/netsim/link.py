@@ -59,8 +59,9 @@ class LinkModel:
     def preset(cls, name: str) -> "LinkModel":
         key = name.lower().replace("_", "-")
         if key not in PRESETS:
-            raise ValueError(f"unknown link preset {name!r}; choose one of {', '.join(PRESETS)} "
-                             "or give --bandwidth-gbps and --latency-us")
+            raise ValueError(f"unknown link preset {name!r}; choose one of {', '.join(PRESETS)}, or give "
+                             "a LinkModel(bandwidth_gbps=..., latency_us=...) (on the command line: "
+                             "--bandwidth-gbps and --latency-us), or the path of a link file ending in .json")
         p = PRESETS[key]
         return cls(p["bandwidth_gbps"], p["latency_us"], p["label"])
 
@@ -72,6 +73,10 @@ class LinkModel:
         if isinstance(link, str):
             return cls.preset(link)
         if isinstance(link, dict):
+            missing = [k for k in ("bandwidth_gbps", "latency_us") if k not in link]
+            if missing:
+                raise ValueError(f"a link given as a dict needs bandwidth_gbps (Gbit/s) and latency_us "
+                                 f"(microseconds); this one lacks {', '.join(missing)}: {link!r}")
             return cls(link["bandwidth_gbps"], link["latency_us"], link.get("label", "custom link"))
         raise ValueError(f"link must be a preset name ({', '.join(PRESETS)}), a LinkModel or None, "
                          f"got {link!r}")

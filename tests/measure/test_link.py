@@ -147,3 +147,91 @@ def test_an_output_path_rank_0_cannot_write_is_refused_before_measuring(tmp_path
         with pytest.raises(SystemExit):
             parser.parse_args(["--timeout", bad])
     assert parser.parse_args(["--timeout", "2.5"]).timeout == 2.5
+
+
+def edited(path, **changes):
+    """The file at ``path`` with keys changed (``fit__latency_us`` reaches into the fit)."""
+    m = json.loads(open(path).read())
+    for key, value in changes.items():
+        outer, _, inner = key.partition("__")
+        target = m[outer] if inner else m
+        if value is None:
+            target.pop(inner or outer)
+        else:
+            target[inner or outer] = value
+    open(path, "w").write(json.dumps(m))
+    return path
+
+
+def test_a_file_edited_by_hand_or_cut_short_is_refused_and_says_what_to_pass_instead(tmp_path):
+    path = measured_file(tmp_path / "link.json")
+    edited(path, fit__latency_us=1.0)  # a what-if on a link nobody measured, labelled "measured"
+    with pytest.raises(ValueError, match=r"fit's latency_us \(1.0\) is not what its measured times give.*"
+                                         r"LinkModel\(bandwidth_gbps=\.\.\., latency_us=\.\.\.\)"):
+        predict(one_size_recording(), link=path)
+    for missing in ("hosts", "date", "seconds", "fit"):
+        path = edited(measured_file(tmp_path / f"no-{missing}.json"), **{missing: None})
+        with pytest.raises(ValueError, match=f"lacks {missing} .*ddplab link -o link.json"):
+            load_link(path)
+    with pytest.raises(ValueError, match="lacks world_size"):
+        load_link(edited(measured_file(tmp_path / "w.json"), world_size="2"))
+
+
+def test_a_measurement_dict_is_a_link_and_a_dict_without_the_model_s_keys_is_refused_in_words(tmp_path):
+    m = json.loads(open(measured_file(tmp_path / "link.json")).read())
+    from_dict = predict(one_size_recording(), link=m)
+    from_file = predict(one_size_recording(), link=str(tmp_path / "link.json"))
+    assert from_dict.meta["labels"] == from_file.meta["labels"]
+    assert summarize(from_dict)["step_ms"] == pytest.approx(summarize(from_file)["step_ms"])
+    with pytest.raises(ValueError, match="needs bandwidth_gbps .* lacks latency_us"):
+        predict(one_size_recording(), link={"bandwidth_gbps": 10.0})
+    with pytest.raises(ValueError, match="not a link measured by"):
+        predict(one_size_recording(), link={**m, "format": "ddplab link 0"})
+
+
+def test_two_sizes_fit_exactly_and_the_file_and_the_prediction_say_that_proves_nothing(tmp_path):
+    sizes, times = [2 ** 12, 2 ** 20], [1e-3, 9e-3]  # any two times: the line goes through both
+    fit = fit_link(sizes, times, 2)
+    assert fit["sizes"] == 2 and fit["max_abs_relative_residual"] == pytest.approx(0.0, abs=1e-12)
+    write_link({"format": FORMAT, "date": "2026-11-27T10:00:00+00:00", "world_size": 2, "backend": "gloo",
+                "device": "cpu", "hosts": ["a", "a"], "sizes_bytes": sizes, "seconds": times, "fit": fit},
+               tmp_path / "two.json")
+    model, source = load_link(tmp_path / "two.json")
+    assert "only two sizes measured, the fit unchecked" in model.label
+    assert "0% off by construction" in source["warning"]
+    tl = predict(one_size_recording(), link=str(tmp_path / "two.json"))
+    assert "the fit unchecked" in tl.meta["labels"][0]  # where the prediction is shown
+
+
+def test_a_fit_that_is_far_off_its_times_is_said_in_the_prediction_s_label(tmp_path):
+    times = [50e-6, 60e-6, 900e-6, 40e-3]  # bent at the large end
+    fit = fit_link(SIZES, times, 2)
+    assert fit["max_abs_relative_residual"] > 0.5
+    write_link({"format": FORMAT, "date": "2026-11-27T10:00:00+00:00", "world_size": 2, "backend": "gloo",
+                "device": "cpu", "hosts": ["a", "a"], "sizes_bytes": SIZES, "seconds": times, "fit": fit},
+               tmp_path / "bent.json")
+    tl = predict(one_size_recording(), link=str(tmp_path / "bent.json"))
+    assert f"a measured time {100 * fit['max_abs_relative_residual']:.0f}% off the fit" in tl.meta["labels"][0]
+
+
+def test_a_fit_that_fails_after_measuring_keeps_the_times_in_the_file(tmp_path, monkeypatch):
+    import ddplab.netsim.costmodel as costmodel
+
+    falling = {n: 1e-3 / (i + 1) for i, n in enumerate(SIZES)}  # times that shrink with size: no fit
+    monkeypatch.setattr(costmodel, "measure_allreduce", lambda sizes, repeats, group, warmup: falling)
+    fake = types.SimpleNamespace(is_initialized=lambda: True, get_world_size=lambda g=None: 2,
+                                 get_rank=lambda g=None: 0,
+                                 all_gather_object=lambda parts, mine, group=None: parts.__setitem__(
+                                     slice(None), [mine, mine]))
+    monkeypatch.setitem(sys.modules, "torch.distributed", fake)
+    import torch
+    monkeypatch.setattr(torch, "distributed", fake, raising=False)
+    monkeypatch.setattr("ddplab.pg.backend.backend_name", lambda group=None: "gloo")
+    monkeypatch.setattr("ddplab.pg.backend.device", lambda group=None: torch.device("cpu"))
+    out = tmp_path / "link.json"
+    with pytest.raises(ValueError, match=f"did not grow with size.*the measured times are in {out}, without a fit"):
+        measure_link(sizes_bytes=SIZES, out=out)
+    kept = json.loads(out.read_text())
+    assert kept["seconds"] == [falling[n] for n in SIZES] and kept["fit"] is None
+    with pytest.raises(ValueError, match="holds measured times but no fit .*did not grow with size"):
+        load_link(out)
