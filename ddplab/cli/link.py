@@ -43,22 +43,44 @@ def parse_sizes(text: str) -> list:
         except ValueError:
             raise argparse.ArgumentTypeError(
                 f"{text!r}: give sizes in bytes separated by commas, e.g. 4K,64K,1M,16M") from None
-    return sizes
+    from ddplab.measure.link import check_sizes
+
+    try:  # refused here, before any rank joins a group, not by every rank after it started
+        return check_sizes(sizes)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def whole_number(least: int):
+    """An argparse type: a whole number >= ``least``."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = None
+        if value is None or value < least:
+            raise argparse.ArgumentTypeError(f"must be a whole number >= {least}, got {text}")
+        return value
+    return parse
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from ddplab.measure.link import DEFAULT_SIZES
 
-    parser.add_argument("-o", "--out", default="link.json", help="where rank 0 writes the measurement")
+    parser.add_argument("-o", "--out", default="link.json",
+                        help="where rank 0 writes the measurement (default link.json)")
     parser.add_argument("--sizes", type=parse_sizes, default=list(DEFAULT_SIZES),
                         help="all-reduce sizes in bytes, comma-separated (K, M, G: KiB, MiB, GiB); "
                              "default 4K,16K,64K,256K,1M,4M,16M,64M")
-    parser.add_argument("--repeats", type=int, default=7, help="timed all-reduces per size (the median is kept)")
-    parser.add_argument("--warmup", type=int, default=2, help="untimed all-reduces per size before timing")
+    parser.add_argument("--repeats", type=whole_number(1), default=7,
+                        help="timed all-reduces per size, the median kept (default 7)")
+    parser.add_argument("--warmup", type=whole_number(0), default=2,
+                        help="untimed all-reduces per size before timing (default 2)")
     parser.add_argument("--backend", default="auto", choices=("auto", "gloo", "nccl"),
-                        help="auto: nccl when every rank has a GPU of its own, else gloo")
+                        help="auto (the default): nccl when every rank has a GPU of its own, else gloo")
     parser.add_argument("--timeout", type=positive_seconds, default=120.0,
-                        help="seconds a collective may wait for a rank before the measurement fails")
+                        help="seconds a collective may wait for a rank before the measurement fails "
+                             "(default 120)")
 
 
 def positive_seconds(text: str) -> float:

@@ -109,9 +109,25 @@ def test_measuring_without_a_process_group_says_how_to_start_one():
 
 
 def test_sizes_on_the_command_line_read_as_bytes():
-    assert parse_sizes("4K,64k,1M,2MiB,100") == [4096, 65536, 2 ** 20, 2 ** 21, 100]
+    assert parse_sizes("4K,64k,1M,2MiB,100") == [100, 4096, 65536, 2 ** 20, 2 ** 21]
     with pytest.raises(Exception, match="give sizes in bytes"):
         parse_sizes("4K,lots")
+
+
+@pytest.mark.parametrize("args, words", [
+    (["--sizes", "3,4K"], "multiples of 4"), (["--sizes", "4K"], "at least two different sizes"),
+    (["--repeats", "0"], "whole number >= 1"), (["--warmup", "-1"], "whole number >= 0"),
+    (["--repeats", "2.5"], "whole number >= 1"), (["--timeout", "0"], "more than 0 seconds")])
+def test_arguments_that_cannot_measure_are_refused_by_the_parser_before_any_rank_starts(args, words, capsys):
+    import argparse
+
+    from ddplab.cli.link import add_arguments
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    with pytest.raises(SystemExit) as exit_:
+        parser.parse_args(args)
+    assert exit_.value.code == 2 and words in capsys.readouterr().err
 
 
 def test_on_a_clusters_rank_measuring_waits_for_the_ranks_background_import(monkeypatch):
