@@ -6,13 +6,15 @@
 PYTHON ?= python3
 # Kept out of the recipes' environment (sub-makes still get a command-line value): an exported
 # PYTHON would reach the Slurm jobs of make test-slurm, whose batch files honour PYTHON=.
-unexport PYTHON HUB_VENV
+# (unexport of a variable not yet set defines it, empty: each is unexported after its ?=.)
+unexport PYTHON
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.ddplab-installed
 
 .PHONY: lab test test-fast test-unit test-labs test-browser test-browser-more check test-unit-more test-labs-more test-labs-ws1 \
-	test-hub test-gpu gpu-check test-graders handouts exercises bench clean test-slurm test-slurm-hub
+	test-hub test-gpu gpu-check test-graders handouts exercises bench clean test-slurm test-slurm-hub \
+	check-lane-a check-lane-b
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -52,13 +54,16 @@ LABS_MORE = $(filter-out $(LABS_QUICK),$(LABS))
 test: test-unit test-labs test-browser
 
 # ruff first (pyflakes, bugbear, import order; configured in pyproject.toml, pinned in constraints.txt)
+# On two pytest-xdist workers, one test file per worker at a time (--dist loadfile: a file's module
+# fixtures, e.g. its own ranks, stay in one process); UNIT_WORKERS=0 runs them in this process.
+UNIT_WORKERS ?= 2
 test-fast: $(STAMP)
 	$(VENV)/bin/ruff check .
-	$(call pytest_or_say_empty,-q -m "not slow and not more" $(UNIT))
+	$(call pytest_or_say_empty,-q -m "not slow and not more" -n $(UNIT_WORKERS) --dist loadfile $(UNIT))
 
 test-unit: $(STAMP)
 	$(VENV)/bin/ruff check .
-	$(call pytest_or_say_empty,-q -m "not more" $(UNIT))
+	$(call pytest_or_say_empty,-q -m "not more" -n $(UNIT_WORKERS) --dist loadfile $(UNIT))
 
 test-labs: $(STAMP)
 	$(call pytest_or_say_empty,-q $(NBVAL) $(LABS_QUICK))
@@ -75,20 +80,43 @@ test-browser-more: $(STAMP)
 # grader mutation catalogue, ...); make check stays <= 45 min on a 2-core machine.
 # Every lab at the default world size runs in handouts (it executes each notebook and exits
 # non-zero naming a failed one, as nbval does): test-labs-more stays as a target of its own.
-CHECK_MORE = test-unit-more test-browser-more test-labs-ws1 test-graders test-hub handouts test-slurm test-slurm-hub
+#
+# Most of these targets keep one of the two cores busy (a notebook's kernel and its ranks, the
+# catalogue's ranks waiting out planted hangs, a hub and a browser): make check runs them in two
+# lanes side by side (measured: the catalogue and the handouts took 424 s together, 695 s one
+# after the other, both green). Not side by side: test-unit-more (its own two workers fill
+# both cores), the browser's exercise runs (timed in Chromium), and test-slurm-hub (its hub and
+# learners' accounts would meet test-hub's). What the lanes install is installed before they
+# start, never by one lane while the other runs from the same environment.
+CHECK_LANE_A = test-graders test-labs-ws1 test-slurm
+CHECK_LANE_B = handouts test-hub
+CHECK_MORE = test-unit-more test-browser-more $(CHECK_LANE_A) $(CHECK_LANE_B) test-slurm-hub
 check: $(STAMP)
 	$(MAKE) test
-	$(MAKE) $(CHECK_MORE)
+	$(MAKE) test-unit-more test-browser-more
+	$(MAKE) $(HUB_INSTALLED)
+	$(MAKE) -j2 --output-sync=target check-lane-a check-lane-b
+	$(MAKE) test-slurm-hub
+
+check-lane-a:
+	$(MAKE) $(CHECK_LANE_A)
+
+check-lane-b:
+	$(MAKE) $(CHECK_LANE_B)
 
 # The unit tests make test leaves out, on UNIT_MORE_WORKERS pytest-xdist workers, one test file
 # per worker at a time (--dist loadfile: a file's module fixtures, e.g. its own ranks, stay in one
 # process). Most of their time is spent waiting out planted hangs and collective timeouts, which
 # the second worker overlaps; UNIT_MORE_WORKERS=0 runs them in this process, one after another.
 UNIT_MORE_WORKERS ?= 2
-test-unit-more: $(STAMP)
-	# the trainers ddplab.record is tested under (tests/measure/test_record_trainers.py): Lightning,
-	# accelerate, transformers; pure-Python wheels, pinned so that they keep the CPU torch
+# the trainers ddplab.record is tested under (tests/measure/test_record_trainers.py): Lightning,
+# accelerate, transformers; pure-Python wheels, pinned so that they keep the CPU torch
+TRAINERS_INSTALLED := $(VENV)/.ddplab-trainers
+$(TRAINERS_INSTALLED): $(STAMP)
 	$(PY) -m pip install --quiet -c constraints.txt -e '.[trainers]'
+	touch $@
+
+test-unit-more: $(TRAINERS_INSTALLED)
 	$(call pytest_or_say_empty,-q -m more -n $(UNIT_MORE_WORKERS) --dist loadfile $(UNIT))
 
 # The labs make test leaves out.
@@ -108,12 +136,24 @@ test-labs-ws1: $(STAMP)
 # `make check PYTHON=/usr/bin/python3 HUB_VENV=.venv` (.ci/run) and builds one instead of two.
 HUB_PYTHON ?= /usr/bin/python3
 HUB_VENV   ?= .venv-hub
+unexport HUB_VENV
 HUB_SUDO   := $(if $(filter 0,$(shell id -u)),,sudo -E)  # it creates and deletes Unix accounts
-test-hub: $(STAMP)
+# Installed once (stamps): a pip install -e rewrites the editable install, which the other lane
+# of make check may be importing at that moment.
+PROXY_INSTALLED ?= proxy/node_modules/.ddplab-npm
+HUB_INSTALLED := $(VENV)/.ddplab-classroom $(HUB_VENV)/.ddplab-hub $(PROXY_INSTALLED)
+$(VENV)/.ddplab-classroom: $(STAMP)
 	$(PY) -m pip install --quiet -c constraints.txt -e '.[classroom]'
+	touch $@
+$(HUB_VENV)/.ddplab-hub: $(STAMP)
 	test -x $(HUB_VENV)/bin/python || $(HUB_PYTHON) -m venv $(HUB_VENV)
 	$(HUB_VENV)/bin/python -m pip install --quiet -c constraints.txt -e '.[lab,test,browser,classroom]'
+	touch $@
+$(PROXY_INSTALLED): proxy/package-lock.json
 	npm ci --prefix proxy --no-audit --no-fund
+	touch $@
+
+test-hub: $(HUB_INSTALLED)
 	DDPLAB_HUB_TEST=1 $(HUB_SUDO) $(HUB_VENV)/bin/python -m pytest -q -p no:cacheprovider tests/course/test_classroom_hub.py \
 	  tests/course/test_classroom_limits.py
 	DDPLAB_HUB_TEST=1 $(PY) -m pytest -q tests/course/test_classroom_grading.py
@@ -132,10 +172,9 @@ test-slurm: $(STAMP)
 # submitted as the learner's own account (sudo), ended by the idle culler and by the hub's stop.
 # The learners' jobs run the environment, so it is .venv-hub, from the system's Python (/root is 0700).
 SLURM_HUB_VENV ?= $(HUB_VENV)
-test-slurm-hub: $(STAMP)
+test-slurm-hub: $(STAMP) $(PROXY_INSTALLED)
 	test -x $(SLURM_HUB_VENV)/bin/python || $(HUB_PYTHON) -m venv $(SLURM_HUB_VENV)
 	$(SLURM_HUB_VENV)/bin/python -m pip install --quiet -c constraints.txt -e '.[lab,test,browser,classroom,slurm]'
-	npm ci --prefix proxy --no-audit --no-fund
 	DDPLAB_SLURM_TEST=1 $(SLURM_HUB_VENV)/bin/python -m pytest -q -p no:cacheprovider --durations=5 \
 	  tests/course/test_classroom_slurm.py
 

@@ -64,6 +64,23 @@ def test_make_check_runs_make_test_then_the_labs_at_world_size_1_and_the_handout
     assert "tests/browser/test_browser.py" in plan and "--durations=15" in plan
 
 
+def test_make_check_installs_everything_before_its_two_lanes_start(tmp_path):
+    # a pip install -e in one lane would rewrite the editable install the other lane imports
+    plan = _make_dry_run("-B", "check")  # -B: as on a fresh clone, where nothing is installed yet
+    lanes = plan.index("-j2 --output-sync=target check-lane-a check-lane-b")
+    for install in (".ddplab-classroom", ".ddplab-hub", ".ddplab-npm", ".ddplab-trainers"):
+        assert re.search(rf"^touch \S*/{re.escape(install)}$", plan[:lanes], re.M), install
+    # once installed (the stamps up to date), the lanes themselves install nothing
+    for stamp in (".ddplab-classroom", ".ddplab-hub", ".ddplab-trainers", ".ddplab-npm"):
+        (tmp_path / stamp).touch()
+    lane = _make_dry_run(f"VENV={tmp_path}", f"HUB_VENV={tmp_path}", f"PROXY_INSTALLED={tmp_path}/.ddplab-npm",
+                         "check-lane-a", "check-lane-b")
+    assert "pip install" not in lane and "npm ci" not in lane
+    for each in ("graders_catalogue.py", "DDPLAB_WORLD_SIZE=1", "test_slurm.py", "ddplab.course.handouts",
+                 "test_classroom_hub.py", "test_classroom_grading.py"):
+        assert each in lane, each
+
+
 def test_every_lab_runs_in_make_test_or_make_check():
     # make test: the quick labs under nbval; make check: the handouts execute every lab
     # (labs/*.ipynb when none is named) and fail naming a notebook that raised
@@ -77,7 +94,9 @@ def test_every_lab_runs_in_make_test_or_make_check():
 def test_every_unit_test_runs_in_make_test_or_make_check():
     unit, more = _make_dry_run("test-unit"), _make_dry_run("test-unit-more")
     # the same paths, split by one marker: a test is in exactly one of the two
-    assert '-m "not more" tests' in unit and "-m more -n " in more and "--dist loadfile tests" in more
+    assert '-m "not more" -n ' in unit and "-m more -n " in more
+    assert unit.count("--dist loadfile tests --ignore=tests/browser") == 1
+    assert more.count("--dist loadfile tests --ignore=tests/browser") == 1
     # the marker is set in each file, so a moved or renamed file keeps it
     marked = [p for p in (ROOT / "tests").rglob("test_*.py") if "pytest.mark.more" in p.read_text()]
     assert len(marked) >= 30
