@@ -68,16 +68,17 @@ def test_make_check_installs_everything_before_its_two_lanes_start(tmp_path):
     # a pip install -e in one lane would rewrite the editable install the other lane imports
     plan = _make_dry_run("-B", "check")  # -B: as on a fresh clone, where nothing is installed yet
     lanes = plan.index("-j2 --output-sync=target check-lane-a check-lane-b")
-    for install in (".ddplab-classroom", ".ddplab-hub", ".ddplab-npm", ".ddplab-trainers"):
+    stamps = (".ddplab-classroom", ".ddplab-hub", ".ddplab-slurm-hub", ".ddplab-npm", ".ddplab-trainers")
+    for install in stamps:
         assert re.search(rf"^touch \S*/{re.escape(install)}$", plan[:lanes], re.M), install
     # once installed (the stamps up to date), the lanes themselves install nothing
-    for stamp in (".ddplab-classroom", ".ddplab-hub", ".ddplab-trainers", ".ddplab-npm"):
+    for stamp in stamps:
         (tmp_path / stamp).touch()
     lane = _make_dry_run(f"VENV={tmp_path}", f"HUB_VENV={tmp_path}", f"PROXY_INSTALLED={tmp_path}/.ddplab-npm",
                          "check-lane-a", "check-lane-b")
     assert "pip install" not in lane and "npm ci" not in lane
     for each in ("graders_catalogue.py", "DDPLAB_WORLD_SIZE=1", "test_slurm.py", "ddplab.course.handouts",
-                 "test_classroom_hub.py", "test_classroom_grading.py"):
+                 "test_classroom_hub.py", "test_classroom_grading.py", "test_classroom_slurm.py"):
         assert each in lane, each
 
 
