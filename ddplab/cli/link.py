@@ -25,6 +25,7 @@ environment variables); ddplab.launchers.torchrun.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 from pathlib import Path
@@ -37,12 +38,16 @@ def parse_sizes(text: str) -> list:
     sizes = []
     for part in text.split(","):
         part = part.strip().upper().removesuffix("B").removesuffix("I")
-        number, unit = (part[:-1], part[-1]) if part[-1:] in UNITS else (part, "")
+        number, unit = (part[:-1], part[-1]) if part[-1:] in ("K", "M", "G") else (part, "")
         try:
-            sizes.append(int(float(number) * UNITS[unit]))
-        except ValueError:
+            value = float(number) * UNITS[unit]
+            whole = int(value)  # inf and nan raise here
+        except (ValueError, OverflowError):
             raise argparse.ArgumentTypeError(
                 f"{text!r}: give sizes in bytes separated by commas, e.g. 4K,64K,1M,16M") from None
+        if whole != value:
+            raise argparse.ArgumentTypeError(f"{part!r} is {value:g} bytes, not a whole number of bytes")
+        sizes.append(whole)
     from ddplab.measure.link import check_sizes
 
     try:  # refused here, before any rank joins a group, not by every rank after it started
@@ -87,8 +92,8 @@ def positive_seconds(text: str) -> float:
     """--timeout: seconds above 0 (0 would time every collective out at once, and gloo refuses
     a negative timeout with an internal error)."""
     value = float(text)
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be more than 0 seconds, got {text}")
+    if not value > 0 or not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"must be a number of seconds more than 0, got {text}")
     return value
 
 
@@ -104,13 +109,11 @@ def refusal(out: Path):
                 "torchrun, e.g. `torchrun --nproc-per-node 2 -m ddplab link -o link.json`, or srun; in a "
                 "notebook, cluster.run(ddplab.measure.link.measure_link, out='link.json')")
     if os.environ["RANK"] == "0":  # found before the measurement, not after it, so nothing is lost
-        folder = out.resolve().parent
-        if not folder.is_dir():
-            return f"ddplab link: cannot write {out}: the folder {folder} does not exist"
-        if out.is_dir():
-            return f"ddplab link: cannot write {out}: it is a folder; give a file name, e.g. -o {out / 'link.json'}"
-        if not os.access(folder, os.W_OK) or (out.exists() and not os.access(out, os.W_OK)):
-            return f"ddplab link: cannot write {out}: no permission to write there; give -o a path you can write"
+        from ddplab.measure.link import cannot_write
+
+        why = cannot_write(out)
+        if why:
+            return f"ddplab link: {why} (-o)"
     return None
 
 
@@ -133,7 +136,7 @@ def report(m: dict, out) -> str:
 
 
 def run(args) -> int:
-    out = Path(args.out)
+    out = Path(args.out).expanduser()
     why = refusal(out)
     if why:
         raise SystemExit(why)  # one line, exit code 1, before torch is imported

@@ -45,6 +45,7 @@ from __future__ import annotations
 import datetime
 import json
 import math
+import os
 import socket
 import sys
 from pathlib import Path
@@ -72,14 +73,20 @@ def fit_link(sizes_bytes, seconds, world_size: int) -> dict:
         raise ValueError("fit_link needs one time per size and at least two different sizes")
     if min(ys) <= 0 or not all(map(math.isfinite, ys)):
         raise ValueError(f"all-reduce times must be positive seconds, got {ys}")
-    w = [1 / y ** 2 for y in ys]
-    s, sx, sy = sum(w), sum(wi * x for wi, x in zip(w, xs)), sum(wi * y for wi, y in zip(w, ys))
-    sxx = sum(wi * x * x for wi, x in zip(w, xs))
-    sxy = sum(wi * x * y for wi, x, y in zip(w, xs, ys))
-    b = (s * sxy - sx * sy) / (s * sxx - sx * sx)
-    a = (sy - b * sx) / s
-    if a < 0:  # no latency to see at these sizes: the line through zero
-        a, b = 0.0, sxy / sxx
+    try:
+        w = [1 / y ** 2 for y in ys]
+        s, sx, sy = sum(w), sum(wi * x for wi, x in zip(w, xs)), sum(wi * y for wi, y in zip(w, ys))
+        sxx = sum(wi * x * x for wi, x in zip(w, xs))
+        sxy = sum(wi * x * y for wi, x, y in zip(w, xs, ys))
+        b = (s * sxy - sx * sy) / (s * sxx - sx * sx)
+        a = (sy - b * sx) / s
+        if a < 0:  # no latency to see at these sizes: the line through zero
+            a, b = 0.0, sxy / sxx
+        if not (math.isfinite(a) and math.isfinite(b)):
+            raise OverflowError
+    except (OverflowError, ZeroDivisionError):  # 1/t^2 of times like 1e-200 or 1e300 s
+        raise ValueError(f"all-reduce times out of any range a clock gives ({ys} s): no line can be "
+                         "fitted to them") from None
     if b <= 0:
         raise ValueError(f"the all-reduce times did not grow with size ({ys} s for {xs} bytes), so "
                          "no bandwidth can be fitted: measure larger sizes, on a quieter machine")
@@ -124,7 +131,14 @@ def measure_link(group=None, sizes_bytes=DEFAULT_SIZES, repeats: int = 7, warmup
 
     if not dist.is_initialized():
         raise RuntimeError(NO_GROUP)
+    if isinstance(sizes_bytes, (str, bytes)):
+        raise TypeError(f"sizes_bytes must be a list of sizes in bytes, e.g. [4096, 65536, 2**20], got "
+                        f"the string {sizes_bytes!r} (the command line's --sizes takes 4K,64K,1M)")
     sizes = check_sizes(sizes_bytes)
+    if out is not None:
+        why = cannot_write(Path(out))
+        if why:  # before the minutes of measuring, not after them
+            raise ValueError(why)
     if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
         raise ValueError(f"repeats must be a whole number >= 1, got {repeats!r}")
     if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0:
@@ -133,6 +147,7 @@ def measure_link(group=None, sizes_bytes=DEFAULT_SIZES, repeats: int = 7, warmup
     if p < 2:
         raise ValueError(f"a link needs at least 2 ranks: this group has {p}; start 2 or more "
                          f"(`{COMMAND}`)")
+    check_memory(sizes, device(group))
     wait_for_cluster_import()
     times = measure_allreduce(sizes, repeats, group, warmup)
     now = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
@@ -162,8 +177,9 @@ def measure_link(group=None, sizes_bytes=DEFAULT_SIZES, repeats: int = 7, warmup
         measurement["fit"], measurement["fit_error"] = None, str(e)
         if out is not None and rank == 0:
             write_link(measurement, out)
-        raise ValueError(f"{e}" + (f" (the measured times are in {out}, without a fit)" if out is not None
-                                   else "")) from None
+        kept = ("" if out is None else f" (the measured times are in {out}, without a fit)" if rank == 0
+                else f" (rank 0 writes the measured times to {out}, without a fit)")
+        raise ValueError(f"{e}{kept}") from None
     warning = fit_warning(measurement["fit"])
     if warning:
         measurement["warning"] = warning
@@ -183,6 +199,56 @@ def fit_warning(fit: dict):
         return (f"a measured time is {100 * off:.0f}% off the fitted line: the machine was busy, or the "
                 "link's cost is not one line over these sizes; measure again on a quiet machine, or over "
                 "a narrower range (--sizes)")
+    return None
+
+
+def cannot_write(out: Path):
+    """Why ``out`` cannot take the measurement, in words, or None: tried by writing a file
+    beside it, since a folder can look writable and still refuse files (/proc, a full disk)."""
+    import tempfile
+
+    out = out.expanduser()
+    if out.is_dir():
+        return f"cannot write {out}: it is a folder; give a file name, e.g. {out / 'link.json'}"
+    folder = out.resolve().parent
+    if not folder.is_dir():
+        return f"cannot write {out}: the folder {folder} does not exist"
+    if out.exists() and not os.access(out, os.W_OK):
+        return f"cannot write {out}: no permission to write it; give a path you can write"
+    try:
+        with tempfile.NamedTemporaryFile(dir=folder, prefix=".ddplab-link-", suffix=".json") as probe:
+            probe.write(b"{}")
+            probe.flush()
+    except OSError as e:
+        return f"cannot write {out}: {e.strerror or e} in {folder}; give a path you can write"
+    return None
+
+
+def check_memory(sizes, where) -> None:
+    """Refuse sizes whose tensors would not fit: every size's tensor is allocated at once
+    (ddplab.netsim.costmodel.measure_allreduce), on every rank of this machine."""
+    need = sum(max(4, n) for n in sizes)
+    if where.type == "cuda":
+        import torch
+
+        free, _ = torch.cuda.mem_get_info(where)
+        ranks, room, what = 1, free, "free on this rank's GPU"
+    else:
+        ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
+        room, what = available_memory(), "available on this machine"
+    if room is not None and need * ranks > 0.8 * room:
+        raise ValueError(f"the sizes need {need / 2**30:.1f} GiB per rank ({ranks} rank(s) here), more than "
+                         f"80% of the {room / 2**30:.1f} GiB {what}: measure smaller sizes (--sizes)")
+
+
+def available_memory():
+    """MemAvailable from /proc/meminfo in bytes, or None where there is none (not Linux)."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
     return None
 
 
@@ -216,22 +282,57 @@ def is_link_file(link) -> bool:
 
 def load_link(path) -> tuple[LinkModel, dict]:
     """(LinkModel, where it came from) for a file ``python -m ddplab link`` wrote."""
-    path = Path(path)
+    path = Path(path).expanduser()
+    if path.is_dir():
+        raise ValueError(f"{str(path)!r} is a folder, not a link file: pass the file `python -m ddplab link -o` "
+                         "wrote (link.json by default)")
     if not path.is_file():
         raise ValueError(f"no link file {str(path)!r}: write one with `{COMMAND.replace('link.json', str(path))}` "
                          "(under the launcher you train with), or pass a preset name or a LinkModel")
     try:
-        m = json.loads(path.read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError):
-        m = None
+        m = json.loads(path.read_text(encoding="utf-8-sig"))  # -sig: a BOM an editor may have added
+    except UnicodeDecodeError:
+        raise ValueError(f"{str(path)!r} is not UTF-8 text: a link file is the JSON `{COMMAND}` "
+                         "writes; if you saved it from an editor, save it as UTF-8") from None
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{str(path)!r} is not valid JSON ({e.msg} at line {e.lineno}, column {e.colno}): "
+                         f"if you edited it, undo the edit, or measure again with `{COMMAND}`") from None
     model, source = link_from_measurement(m, repr(str(path)))
     source["file"] = str(path)
     return model, source
 
 
 # what a measurement must hold to be read back, and what each must be
-FIELDS = {"world_size": int, "backend": str, "hosts": list, "date": str, "sizes_bytes": list,
-          "seconds": list, "fit": dict}
+FIELDS = {"world_size": int, "backend": str, "hosts": list, "one_machine": bool, "date": str,
+          "sizes_bytes": list, "seconds": list, "seconds_by_rank": list, "fit": dict}
+
+
+def inconsistent(m: dict):
+    """What in a measurement does not agree with the rest of it, or None: what measure_link
+    writes always agrees, so a disagreement is an edit (or a file cut short)."""
+    p, sizes, hosts = m["world_size"], m["sizes_bytes"], m["hosts"]
+    if p < 2:
+        return f"world_size is {p}, and a link is measured on 2 ranks or more"
+    if len(hosts) != p or not all(isinstance(h, str) and h for h in hosts):
+        return f"hosts holds {len(hosts)} host name(s) for world_size {p}"
+    if m["one_machine"] != (len(set(hosts)) == 1):
+        return f"one_machine is {m['one_machine']} and the hosts are {sorted(set(hosts))}"
+    try:
+        if check_sizes(sizes) != sizes:
+            return "sizes_bytes is not in increasing order"
+        datetime.datetime.fromisoformat(m["date"])
+    except ValueError as e:
+        return str(e) if "sizes" in str(e) else f"date {m['date']!r} is not the ISO date measure_link writes"
+    by_rank = m["seconds_by_rank"]
+    if len(by_rank) != p or not all(isinstance(r, list) and len(r) == len(sizes) for r in by_rank):
+        return f"seconds_by_rank does not hold one time per size for each of the {p} ranks"
+    try:
+        slowest = [max(r[i] for r in by_rank) for i in range(len(sizes))]
+    except TypeError:
+        return "seconds_by_rank holds something other than numbers"
+    if slowest != m["seconds"]:
+        return "seconds is not the slowest rank's time of each size in seconds_by_rank"
+    return None
 
 
 def link_from_measurement(m, what: str = "the measurement") -> tuple[LinkModel, dict]:
@@ -245,16 +346,21 @@ def link_from_measurement(m, what: str = "the measurement") -> tuple[LinkModel, 
                          f"no \"format\": {FORMAT!r}); write one with `{COMMAND}`")
     if m.get("fit") is None and m.get("fit_error"):
         raise ValueError(f"{what} holds measured times but no fit ({m['fit_error']}): measure again")
-    bad = [k for k, kind in FIELDS.items() if not isinstance(m.get(k), kind) or isinstance(m.get(k), bool)]
+    bad = [k for k, kind in FIELDS.items()
+           if not isinstance(m.get(k), kind) or (kind is not bool and isinstance(m.get(k), bool))]
     if bad:
         raise ValueError(f"{what} lacks {', '.join(bad)} (or holds something else there): it was not "
                          f"written whole by `python -m ddplab link`; write it again with `{COMMAND}`")
+    why = inconsistent(m)
+    if why:
+        raise ValueError(f"{what}: {why}: the file was edited, or not written whole; measure again with "
+                         f"`{COMMAND}`")
     try:
         fit = fit_link(m["sizes_bytes"], m["seconds"], m["world_size"])
     except (TypeError, ValueError) as e:
         raise ValueError(f"{what}: its measured times cannot be fitted ({e}); measure again") from None
     stored = m["fit"]
-    for key in ("latency_us", "bandwidth_gbps"):
+    for key in ("latency_us", "bandwidth_gbps", "latency_s", "bandwidth_bytes_per_s"):
         value = stored.get(key)
         if not isinstance(value, (int, float)) or not math.isclose(value, fit[key], rel_tol=1e-9, abs_tol=1e-12):
             raise ValueError(
@@ -271,7 +377,7 @@ def link_from_measurement(m, what: str = "the measurement") -> tuple[LinkModel, 
         label += "; only two sizes measured, the fit unchecked" if fit["sizes"] == 2 else \
             f"; a measured time {100 * fit['max_abs_relative_residual']:.0f}% off the fit"
     model = LinkModel(fit["bandwidth_gbps"], fit["latency_us"], label)
-    source = {"hosts": m["hosts"], "date": m["date"], "backend": m["backend"],
+    source = {"hosts": m["hosts"], "date": m["date"], "backend": m["backend"], "sizes_bytes": m["sizes_bytes"],
               "world_size": m["world_size"], "one_machine": len(hosts) == 1,
               "max_abs_relative_residual": fit["max_abs_relative_residual"]}
     if warning:

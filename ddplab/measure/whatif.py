@@ -158,6 +158,25 @@ def _fitted(prof: Profile) -> LinkModel:
     return LinkModel(f.bandwidth_gbps, max(0.0, f.alpha_us), "alpha-beta fitted to the recording")
 
 
+BEYOND = 4  # a bucket this many times past the measured sizes is said in the label
+
+
+def _beyond_measured(measured_sizes, bucket_sizes) -> str:
+    """What the label adds when the buckets lie outside the sizes the link was measured at:
+    the line is then carried past its data, and a latency fitted on 4-byte all-reduces, say,
+    predicts megabytes badly."""
+    lo, hi = min(measured_sizes), max(measured_sizes)
+    big, small = max(bucket_sizes, default=0), min(bucket_sizes, default=0)
+    mib = 2 ** 20
+    if big > BEYOND * hi:
+        return (f"; buckets of up to {big / mib:.3g} MiB, the link measured only up to {hi / mib:.3g} MiB: "
+                "carried past its sizes by the line (measure larger sizes)")
+    if 0 < small < lo / BEYOND:
+        return (f"; buckets down to {small} bytes, the link measured only from {lo} bytes: carried "
+                "below its sizes by the line")
+    return ""
+
+
 def _check(world_size, straggler):
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be a whole number of ranks >= 1, got {world_size!r}")
@@ -181,6 +200,10 @@ def predict(recording: Timeline, *, bucket_cap_mb=RECORDED, link=None, world_siz
     prof = read_profile(recording, baseline, contention)
     p = prof.world_size if world_size is None else world_size
     _check(p, straggler)
+    if p == 1 and link is not None:
+        raise ValueError("at 1 rank there is nothing to all-reduce, so no link changes the step: pass "
+                         "world_size= (the ranks you will train on, e.g. world_size=2) to predict the "
+                         "recording on that link")
     model, link_label, measured = _link(prof, link)
     if measured and measured["world_size"] != p:
         link_label += f", measured at {measured['world_size']} ranks and carried to {p} by the ring model"
@@ -204,6 +227,8 @@ def predict(recording: Timeline, *, bucket_cap_mb=RECORDED, link=None, world_siz
         free = start + model.allreduce_seconds(nbytes, p)
         flight.append((start, free))
         rows.append((k, units, nbytes, readies, launches, start, free))
+    if measured:
+        link_label += _beyond_measured(measured["sizes_bytes"], [row[2] for row in rows])
     tl = Timeline(f"predicted: {recording.strategy}", p, recording.backend)
     # figures show bucket records' params as names, as recorders write them
     unit_names = {u: (f"recorded bucket {u}" if prof.from_buckets else f"parameter {u}")

@@ -2,10 +2,12 @@
 the file the what-if takes, and the words when something is missing. No process is started:
 the command itself under torchrun is tests/measure/test_link_more.py."""
 import json
+import re
 import sys
 import threading
 import time
 import types
+from pathlib import Path
 
 import pytest
 from test_whatif import recording
@@ -50,13 +52,17 @@ def test_times_that_do_not_grow_with_size_are_refused_and_no_latency_is_fitted_t
         fit_link(SIZES, [1e-3] * 4, 1)
 
 
+def measurement(sizes, seconds, hosts=("nodeA", "nodeA")) -> dict:
+    """What measure_link returns for these times (every rank as slow), without ranks."""
+    p = len(hosts)
+    return {"format": FORMAT, "date": "2026-11-27T10:00:00+00:00", "world_size": p, "backend": "gloo",
+            "device": "cpu", "hosts": list(hosts), "one_machine": len(set(hosts)) == 1, "sizes_bytes": sizes,
+            "seconds": seconds, "seconds_by_rank": [list(seconds)] * p, "fit": fit_link(sizes, seconds, p)}
+
+
 def measured_file(path, hosts=("nodeA", "nodeA"), link=MEASURED):
     """A file as measure_link writes it, from times ``link`` gives (no ranks started here)."""
-    p = len(hosts)
-    seconds = [link.allreduce_seconds(n, p) for n in SIZES]
-    write_link({"format": FORMAT, "date": "2026-11-27T10:00:00+00:00", "world_size": p,
-                "backend": "gloo", "device": "cpu", "hosts": list(hosts), "sizes_bytes": SIZES,
-                "seconds": seconds, "fit": fit_link(SIZES, seconds, p)}, path)
+    write_link(measurement(SIZES, [link.allreduce_seconds(n, len(hosts)) for n in SIZES], hosts), path)
     return str(path)
 
 
@@ -117,7 +123,9 @@ def test_sizes_on_the_command_line_read_as_bytes():
 @pytest.mark.parametrize("args, words", [
     (["--sizes", "3,4K"], "multiples of 4"), (["--sizes", "4K"], "at least two different sizes"),
     (["--repeats", "0"], "whole number >= 1"), (["--warmup", "-1"], "whole number >= 0"),
-    (["--repeats", "2.5"], "whole number >= 1"), (["--timeout", "0"], "more than 0 seconds")])
+    (["--repeats", "2.5"], "whole number >= 1"), (["--timeout", "0"], "seconds more than 0"),
+    (["--timeout", "inf"], "seconds more than 0"), (["--sizes", "4K,"], "give sizes in bytes"),
+    (["--sizes", "4K,inf"], "give sizes in bytes"), (["--sizes", "1.3K,8K"], "not a whole number of bytes")])
 def test_arguments_that_cannot_measure_are_refused_by_the_parser_before_any_rank_starts(args, words, capsys):
     import argparse
 
@@ -209,9 +217,7 @@ def test_two_sizes_fit_exactly_and_the_file_and_the_prediction_say_that_proves_n
     sizes, times = [2 ** 12, 2 ** 20], [1e-3, 9e-3]  # any two times: the line goes through both
     fit = fit_link(sizes, times, 2)
     assert fit["sizes"] == 2 and fit["max_abs_relative_residual"] == pytest.approx(0.0, abs=1e-12)
-    write_link({"format": FORMAT, "date": "2026-11-27T10:00:00+00:00", "world_size": 2, "backend": "gloo",
-                "device": "cpu", "hosts": ["a", "a"], "sizes_bytes": sizes, "seconds": times, "fit": fit},
-               tmp_path / "two.json")
+    write_link(measurement(sizes, times), tmp_path / "two.json")
     model, source = load_link(tmp_path / "two.json")
     assert "only two sizes measured, the fit unchecked" in model.label
     assert "0% off by construction" in source["warning"]
@@ -223,9 +229,7 @@ def test_a_fit_that_is_far_off_its_times_is_said_in_the_prediction_s_label(tmp_p
     times = [50e-6, 60e-6, 900e-6, 40e-3]  # bent at the large end
     fit = fit_link(SIZES, times, 2)
     assert fit["max_abs_relative_residual"] > 0.5
-    write_link({"format": FORMAT, "date": "2026-11-27T10:00:00+00:00", "world_size": 2, "backend": "gloo",
-                "device": "cpu", "hosts": ["a", "a"], "sizes_bytes": SIZES, "seconds": times, "fit": fit},
-               tmp_path / "bent.json")
+    write_link(measurement(SIZES, times), tmp_path / "bent.json")
     tl = predict(one_size_recording(), link=str(tmp_path / "bent.json"))
     assert f"a measured time {100 * fit['max_abs_relative_residual']:.0f}% off the fit" in tl.meta["labels"][0]
 
@@ -251,3 +255,91 @@ def test_a_fit_that_fails_after_measuring_keeps_the_times_in_the_file(tmp_path, 
     assert kept["seconds"] == [falling[n] for n in SIZES] and kept["fit"] is None
     with pytest.raises(ValueError, match="holds measured times but no fit .*did not grow with size"):
         load_link(out)
+
+
+@pytest.mark.parametrize("edit, words", [
+    ({"hosts": ["a", "b"]}, "one_machine is True and the hosts are"),  # the "not a network" caveat would go
+    ({"hosts": ["a", "a", "a"]}, "3 host name(s) for world_size 2"),
+    ({"hosts": []}, "0 host name(s)"),
+    ({"date": "yesterday"}, "not the ISO date"),
+    ({"sizes_bytes": [65536, 4096, 2 ** 20, 2 ** 24]}, "not in increasing order"),
+    ({"sizes_bytes": [4096.5, 65536, 2 ** 20, 2 ** 24]}, "sizes must be whole numbers"),
+    ({"seconds_by_rank": [[1.0, 2.0, 3.0, 4.0]]}, "one time per size for each of the 2 ranks"),
+])
+def test_edits_that_keep_the_fit_but_break_the_rest_are_refused(tmp_path, edit, words):
+    m = json.loads(open(measured_file(tmp_path / "link.json")).read())
+    m.update(edit)
+    (tmp_path / "e.json").write_text(json.dumps(m))
+    with pytest.raises(ValueError, match=re.escape(words) + ".*the file was edited"):
+        load_link(tmp_path / "e.json")
+
+
+def test_times_scaled_with_their_fit_are_refused_by_the_ranks_own_times(tmp_path):
+    m = json.loads(open(measured_file(tmp_path / "link.json")).read())
+    faster = fit_link(SIZES, [t / 10 for t in m["seconds"]], 2)  # consistent with itself...
+    m.update(seconds=[t / 10 for t in m["seconds"]], fit=faster)
+    (tmp_path / "x.json").write_text(json.dumps(m))
+    with pytest.raises(ValueError, match="not the slowest rank's time of each size"):  # ...not with the ranks'
+        load_link(tmp_path / "x.json")
+    m = json.loads(open(measured_file(tmp_path / "link.json")).read())
+    m["fit"]["latency_s"] = 1.0  # a number of the fit the what-if does not read: refused too
+    (tmp_path / "y.json").write_text(json.dumps(m))
+    with pytest.raises(ValueError, match="its fit's latency_s"):
+        load_link(tmp_path / "y.json")
+
+
+def test_a_file_that_is_not_json_any_more_says_where_and_a_bom_is_read(tmp_path):
+    text = open(measured_file(tmp_path / "link.json")).read()
+    (tmp_path / "comma.json").write_text(text.rstrip()[:-1] + ",}")
+    with pytest.raises(ValueError, match=r"is not valid JSON \(.* at line \d+, column \d+\)"):
+        load_link(tmp_path / "comma.json")
+    (tmp_path / "bom.json").write_bytes(b"\xef\xbb\xbf" + text.encode())
+    assert load_link(tmp_path / "bom.json")[0].latency_us == pytest.approx(MEASURED.latency_us)
+    (tmp_path / "u16.json").write_bytes(text.encode("utf-16"))
+    with pytest.raises(ValueError, match="is not UTF-8 text"):
+        load_link(tmp_path / "u16.json")
+    with pytest.raises(ValueError, match="is a folder, not a link file"):
+        load_link(tmp_path)
+
+
+def test_times_out_of_any_clock_s_range_are_refused_in_words():
+    for times in ([1e300, 1e301, 1e302, 1e303], [1e-200, 2e-200, 3e-200, 4e-200]):
+        with pytest.raises(ValueError, match="out of any range a clock gives"):
+            fit_link(SIZES, times, 2)
+
+
+def test_buckets_far_past_the_measured_sizes_are_said_in_the_label(tmp_path):
+    tiny = [4, 8, 12, 16]  # `--sizes 4,8,12,16` meant as KiB: the recording's buckets are 2 MiB
+    write_link(measurement(tiny, [MEASURED.allreduce_seconds(n, 2) for n in tiny]), tmp_path / "tiny.json")
+    label = predict(one_size_recording(), link=str(tmp_path / "tiny.json")).meta["labels"][0]
+    assert "buckets of up to 2 MiB, the link measured only up to 1.53e-05 MiB: carried past its sizes" in label
+    assert "carried past" not in predict(one_size_recording(), link=measured_file(tmp_path / "ok.json")
+                                         ).meta["labels"][0]  # 4 KiB to 16 MiB holds 2 MiB
+
+
+def test_a_link_at_one_rank_is_refused_saying_to_pass_world_size(tmp_path):
+    one = one_size_recording()
+    with pytest.raises(ValueError, match="at 1 rank there is nothing to all-reduce.*world_size="):
+        predict(one, link=measured_file(tmp_path / "l.json"), world_size=1)
+
+
+def test_an_output_no_file_can_be_written_in_is_refused_before_measuring(tmp_path):
+    from ddplab.measure.link import cannot_write
+
+    assert cannot_write(tmp_path / "fine.json") is None and not list(tmp_path.iterdir())  # the probe is gone
+    assert "it is a folder" in cannot_write(tmp_path)
+    assert "does not exist" in cannot_write(tmp_path / "no" / "l.json")
+    if Path("/proc").is_dir():
+        assert "cannot write /proc/link.json" in cannot_write(Path("/proc/link.json"))
+
+
+def test_sizes_whose_tensors_would_not_fit_in_memory_are_refused(monkeypatch):
+    import torch
+
+    from ddplab.measure.link import check_memory
+
+    monkeypatch.setattr("ddplab.measure.link.available_memory", lambda: 8 * 2 ** 30)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    check_memory([2 ** 12, 2 ** 30], torch.device("cpu"))  # 2 x 1 GiB of 8: fine
+    with pytest.raises(ValueError, match=r"need 4.0 GiB per rank \(2 rank\(s\) here\), more than 80% of the 8.0"):
+        check_memory([2 ** 12, 2 ** 32], torch.device("cpu"))
