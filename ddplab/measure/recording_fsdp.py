@@ -47,7 +47,8 @@ gradients off (validation) is not a step: its all-gathers are counted in the met
 the step's start and forward from a forward pre-hook (put before FSDP's own) and a forward hook
 on the root; backward from the forward's end to an autograd-engine callback queued
 by a hook on the root's output, after FSDP's own final callback (which reduce-scatters the
-units backward did not reach, the root's usually): the last reduce-scatter lies inside backward
+units whose inputs needed no gradient: the root, a first block fed the data): the last
+reduce-scatter lies inside backward
 (the phase is ``derived``: its start is not a stamp of its own).
 A collective's launch and end: the host clock around the call (gloo runs it before returning),
 or a callback on its work's future when FSDP asks for an asynchronous one.
