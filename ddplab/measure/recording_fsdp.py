@@ -25,9 +25,10 @@ RuntimeError naming the torch version, never an empty recording):
 - ``FSDPParamGroup._all_gather_comm`` and ``._reduce_scatter_comm``
   (_fsdp_param_group.py): the objects every all-gather (``unshard``, via
   ``foreach_all_gather``) and every reduce-scatter (``post_backward``, via ``foreach_reduce``)
-  is made through (_fsdp_collectives.py). They are instances of torch's public ``AllGather`` and
-  ``ReduceScatter`` interfaces (_fsdp_api.py), which ``FSDPModule.set_custom_all_gather`` and
-  ``set_custom_reduce_scatter`` also set. The recorder puts a timing ``AllGather`` and
+  is made through (_fsdp_collectives.py). They are instances of the ``AllGather`` and
+  ``ReduceScatter`` interfaces of the private module ``_fsdp_api.py`` (torch.distributed.fsdp
+  does not export them), the types the public ``FSDPModule.set_custom_all_gather`` and
+  ``set_custom_reduce_scatter`` take and set. The recorder puts a timing ``AllGather`` and
   ``ReduceScatter`` in front of whatever is there (torch's default, or yours), per group, and
   puts the previous object back at ``finish()`` and when a step raises;
 - ``FSDPParamGroup._module_fqn`` (set by ``FSDPState._init_fqns`` at the first forward): the
@@ -113,9 +114,12 @@ def param_groups(model) -> list:
             for name in ("_all_gather_comm", "_reduce_scatter_comm", "_module_fqn", "mesh_info"):
                 if not hasattr(g, name):
                     raise _missing(f"FSDPParamGroup.{name}")
-            if type(g.mesh_info).__name__ != "FSDPMeshInfo":  # HSDP/replicate: an all-reduce too
+            mesh = type(g.mesh_info).__name__
+            if mesh not in ("FSDPMeshInfo", "HSDPMeshInfo", "DDPMeshInfo"):  # _fsdp_common.py's three
+                raise _missing(f"the mesh class FSDPMeshInfo (found {mesh})")
+            if mesh != "FSDPMeshInfo":  # HSDP/replicate: an all-reduce too
                 raise TypeError(f"ddplab.record records 1-D fully_shard meshes; this one is "
-                                f"{type(g.mesh_info).__name__} (HSDP), whose all-reduce is not "
+                                f"{mesh} (HSDP or replicate), whose all-reduce is not "
                                 "made through the objects it times")
             groups.append(g)
     return groups
@@ -123,7 +127,10 @@ def param_groups(model) -> list:
 
 def _timed_comms():
     """The two timing classes, made on first use (torch's FSDP interfaces import torch)."""
-    from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
+    try:
+        from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
+    except ImportError:
+        raise _missing("torch.distributed.fsdp._fully_shard._fsdp_api.AllGather") from None
 
     class TimedAllGather(AllGather):
         def __init__(self, inner, rec, group):
@@ -188,6 +195,7 @@ class FsdpRecorder(RunRecorder):
                             "is when the host queued a collective, not when it ran; record the same model "
                             "wrapped in DistributedDataParallel (CUDA events), or use torch.profiler")
         self.groups = param_groups(model)  # raises, naming the torch version, before anything changes
+        timed_ag, timed_rs = _timed_comms()  # the same
         self.group = process_group if process_group is not None else dist.group.WORLD
         self.rank, self.world = dist.get_rank(self.group), dist.get_world_size(self.group)
         self.side = SideGroup(self.group, FINISH_TIMEOUT_S)  # finish()'s own group (recording_gather)
@@ -212,7 +220,6 @@ class FsdpRecorder(RunRecorder):
         self._gathered = threading.Event()
         self._timeline, self._gather_error = None, None
         # the patch: a timing comm in front of each group's own, the previous one kept to put back
-        timed_ag, timed_rs = _timed_comms()
         self._patched = []
         for g in self.groups:
             for attr, cls in (("_all_gather_comm", timed_ag), ("_reduce_scatter_comm", timed_rs)):
