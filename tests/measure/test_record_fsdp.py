@@ -73,7 +73,9 @@ def _padded_bytes(world):
 
 def train_fsdp(steps=5, out=None):
     """On every rank: a recorded and an unrecorded fully_shard replica trained on the same batches;
-    a validation forward (no_grad) before step 2's. torch.distributed's all-gather and reduce-scatter
+    a validation forward (no_grad) before step 2's, and in step 3 block a's backward all-gather made
+    early and asynchronous (``unshard(async_op=True)``: its end comes from the work's future, and
+    FSDP's own pre-backward unshard is then a no-op). torch.distributed's all-gather and reduce-scatter
     functions are wrapped here while the recorded replica runs, counting what FSDP issues."""
     import torch
     import torch.distributed as dist
@@ -90,6 +92,8 @@ def train_fsdp(steps=5, out=None):
     def all_gather_single(output_tensor, input_tensor, *args, **kwargs):
         if counting[0] is not None:
             seen.setdefault(counting[0], []).append((AG, output_tensor.numel() * output_tensor.element_size()))
+            if kwargs.get("async_op"):
+                seen.setdefault("async", []).append(counting[0])
         return real[0](output_tensor, input_tensor, *args, **kwargs)
 
     def reduce_scatter_single(output, input, *args, **kwargs):
@@ -109,7 +113,10 @@ def train_fsdp(steps=5, out=None):
                         counting[0] = "eval" if model is recorded else None
                         model(x)
                         counting[0] = step if model is recorded else None
-                model(x).square().mean().backward()
+                loss = model(x).square().mean()
+                if step == 3:  # block a's backward all-gather asked for early, asynchronously (public API)
+                    model.a.unshard(async_op=True)
+                loss.backward()
                 opt.step()
                 opt.zero_grad()
             counting[0] = None
@@ -137,6 +144,7 @@ def test_recorded_collectives_are_fsdps_per_step_and_unit_with_the_units_padded_
     (eval_step, eval_start, eval_end, eval_gathers), = tl.meta["forwards_without_backward"]
     assert eval_step == 2 and eval_gathers == len(r0["seen"]["eval"]) == len(padded)
     assert eval_end <= tl.iteration(0, 2).start  # before step 2's first forward with gradients
+    assert r0["seen"]["async"] == r1["seen"]["async"] == [3]  # the one asynchronous all-gather
     for rank, r in ((0, r0), (1, r1)):
         for step in (1, 2, 3):
             calls = tl.buckets_of(rank, step)
@@ -163,7 +171,7 @@ def test_recorded_collectives_are_fsdps_per_step_and_unit_with_the_units_padded_
             fwd, bwd = it.phases["forward"], it.phases["backward"]
             assert fwd[1] <= bwd[0] + 1e-9 and it.sources["backward"] == "derived"
             for b in calls:
-                assert b.launch <= b.comm_end, b
+                assert b.comm_end is not None and b.launch <= b.comm_end, b
                 inside = fwd if b.params[1] == "forward" else bwd
                 assert inside[0] - 1e-6 <= b.launch and b.comm_end <= inside[1] + 1e-6, (b, inside)
 
