@@ -44,7 +44,9 @@ all-gather and sends (p-1)/p of it on a ring for either. A collective's ``params
 Steps are optimizer steps, as for DDP (ddplab.measure.recording): a step runs from its first
 forward with gradients on to the end of the ``torch.optim`` step that closes it. A forward with
 gradients off (validation) is not a step: its all-gathers are counted in the meta
-(``forwards_without_backward``: step, start, end, all-gathers), not drawn in a step. Stamps:
+(``forwards_without_backward``: step, start, end, all-gathers), not drawn in a step; so is a
+collective made in a recorded step before its first forward (``collectives_outside_steps``:
+step, op, unit, launch; e.g. your ``unshard(async_op=True)`` before it). Stamps:
 the step's start and forward from a forward pre-hook (put before FSDP's own) and a forward hook
 on the root; backward from the forward's end to an autograd-engine callback queued
 by a hook on the root's output, after FSDP's own final callback (which reduce-scatters the
@@ -157,6 +159,19 @@ def _timed_comms():
     return TimedAllGather, TimedReduceScatter
 
 
+def _tensors(output) -> list:
+    """The tensors in a forward's output (a tensor, or tuples, lists and dicts of them)."""
+    import torch
+
+    if isinstance(output, torch.Tensor):
+        return [output]
+    if isinstance(output, dict):
+        output = list(output.values())
+    if isinstance(output, (list, tuple)):
+        return [t for item in output for t in _tensors(item)]
+    return []
+
+
 def units(model) -> list[dict]:
     """The units from the model's structure (public names only): each FSDPModule and the
     parameters it holds itself (not those of a fully_shard-ed submodule)."""
@@ -215,6 +230,8 @@ class FsdpRecorder(RunRecorder):
         self._holders: dict[int, bool] = {}
         self._step_t0, self._calls, self._micro_steps, self._evals = None, 0, {}, []
         self._eval = None  # [step, start, end, all-gathers] of a forward with gradients off
+        self._in_step = False  # a recorded step's first forward has begun, its end not come
+        self._outside: list = []  # [step, op, unit, launch] of collectives in no step's span
         self.finished, self.failed = False, None
         self._finishing: threading.Thread | None = None
         self._gathered = threading.Event()
@@ -248,6 +265,9 @@ class FsdpRecorder(RunRecorder):
         if self._eval is not None:
             self._eval[3] += op == ALL_GATHER
         if not counted:
+            return work
+        if not self._in_step:  # in a recorded step's range, before its first forward: said, not drawn
+            self._outside.append([self.step, op, group._module_fqn or "(root)", t0])
             return work
         # after the forward, before the step's end: backward's (FSDP's pre-backward hook on the
         # root's output runs before ours, so its first all-gather comes before _backward_begins)
@@ -288,15 +308,12 @@ class FsdpRecorder(RunRecorder):
                 return
         if self._micro == 0 and self._recording():
             self.recorder.begin_iteration(self.step)
-            self._calls, self._step_t0 = 0, None
+            self._calls, self._step_t0, self._in_step = 0, None, True
         self._micro += 1
         self.started = self.step
         self._in_forward, self._forward_t0 = True, now()
 
     def _forward_end(self, module, args, output):
-        import torch
-        from torch.utils._pytree import tree_leaves
-
         if self.finished:
             return
         if output is None and sys.exc_info()[1] is not None:  # always_call: the forward raised
@@ -313,9 +330,9 @@ class FsdpRecorder(RunRecorder):
         if self._recording():
             self.recorder.set_phase("forward", self._forward_t0, t, "cpu")
         self._backward_t0, self._backward_hooked = t, False
-        for leaf in tree_leaves(output):
-            if isinstance(leaf, torch.Tensor) and leaf.requires_grad:
-                leaf.register_hook(self._backward_begins)
+        for tensor in _tensors(output):
+            if tensor.requires_grad:
+                tensor.register_hook(self._backward_begins)
 
     def _backward_begins(self, grad):
         from torch.autograd import Variable
@@ -360,7 +377,7 @@ class FsdpRecorder(RunRecorder):
             self._micro_steps[self.step] = self._micro
             self.recorder.end_iteration()
         self.step += 1
-        self._micro, self._backward_done, self._forward_ended = 0, False, False
+        self._micro, self._backward_done, self._forward_ended, self._in_step = 0, False, False, False
         if self.step == self.steps.stop:
             self._stop(FINISH_TIMEOUT_S, waited_for=False)
 
@@ -408,7 +425,8 @@ class FsdpRecorder(RunRecorder):
         self._put_back()
         part = self.recorder.result()
         part.meta.update(micro_steps={str(k): v for k, v in self._micro_steps.items()},
-                         steps_are="optimizer steps", forwards_without_backward=self._evals)
+                         steps_are="optimizer steps", forwards_without_backward=self._evals,
+                         collectives_outside_steps=self._outside)
         meta = {"machine": machine(self.world)}
         self._finishing = threading.Thread(target=self._gather_and_write, name="ddplab.record finish",
                                            args=(part, meta, timeout, waited_for))

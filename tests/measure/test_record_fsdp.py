@@ -73,7 +73,9 @@ def _padded_bytes(world):
 
 def train_fsdp(steps=5, out=None):
     """On every rank: a recorded and an unrecorded fully_shard replica trained on the same batches;
-    a validation forward (no_grad) before step 2's, and in step 3 block a's backward all-gather made
+    in step 1 block b's forward all-gather made before the step's first forward (``unshard``: not in
+    the step, listed in the meta), a validation forward (no_grad) before step 2's, and in step 3 block
+    a's backward all-gather made
     early and asynchronous (``unshard(async_op=True)``: its end comes from the work's future, and
     FSDP's own pre-backward unshard is then a no-op). torch.distributed's all-gather and reduce-scatter
     functions are wrapped here while the recorded replica runs, counting what FSDP issues."""
@@ -108,6 +110,10 @@ def train_fsdp(steps=5, out=None):
             x = torch.randn(8, 12, generator=g)
             for model, opt in zip((plain, recorded), opts):
                 counting[0] = step if model is recorded else None
+                if step == 1:  # block b's forward all-gather asked for before the step's forward
+                    counting[0] = "before" if model is recorded else None
+                    model.b.unshard(async_op=True)
+                    counting[0] = step if model is recorded else None
                 if step == 2:
                     with torch.no_grad():  # validation: not a step
                         counting[0] = "eval" if model is recorded else None
@@ -144,7 +150,10 @@ def test_recorded_collectives_are_fsdps_per_step_and_unit_with_the_units_padded_
     (eval_step, eval_start, eval_end, eval_gathers), = tl.meta["forwards_without_backward"]
     assert eval_step == 2 and eval_gathers == len(r0["seen"]["eval"]) == len(padded)
     assert eval_end <= tl.iteration(0, 2).start  # before step 2's first forward with gradients
-    assert r0["seen"]["async"] == r1["seen"]["async"] == [3]  # the one asynchronous all-gather
+    assert r0["seen"]["async"] == r1["seen"]["async"] == ["before", 3]  # the asynchronous all-gathers
+    # the one made before step 1's forward: listed, not drawn in the step
+    assert [c[:3] for c in tl.meta["collectives_outside_steps"]] == [[1, AG, "b"]]
+    assert tl.meta["collectives_outside_steps"][0][3] <= tl.iteration(0, 1).start
     for rank, r in ((0, r0), (1, r1)):
         for step in (1, 2, 3):
             calls = tl.buckets_of(rank, step)
@@ -157,12 +166,13 @@ def test_recorded_collectives_are_fsdps_per_step_and_unit_with_the_units_padded_
             per_unit = {}
             for b in calls:
                 per_unit.setdefault((b.params[2], b.params[0], b.params[1]), []).append(b)
-            root_gathers = 0 if step == 2 else 1
             expected = {("a", AG, "forward"): 1, ("b", AG, "forward"): 1, ("a", AG, "backward"): 1,
                         ("b", AG, "backward"): 1, ("a", RS, "backward"): 1, ("b", RS, "backward"): 1,
-                        ("(root)", RS, "backward"): 1}
-            if root_gathers:
-                expected[("(root)", AG, "forward")] = 1
+                        ("(root)", RS, "backward"): 1, ("(root)", AG, "forward"): 1}
+            if step == 2:
+                del expected[("(root)", AG, "forward")]
+            if step == 1:  # gathered before the step began: b's own pre-forward unshard is then a no-op
+                del expected[("b", AG, "forward")]
             assert {k: len(v) for k, v in per_unit.items()} == expected, (rank, step)
             # (b) bytes: the unit's padded flat parameters
             assert all(b.nbytes == padded[b.params[2]] for b in calls), (rank, step)
