@@ -11,6 +11,10 @@ bucket's parameters, bytes, when its gradients were ready, when it launched,
 how long it was in flight, and where each stamp came from (cpu clock, CUDA
 event, NCCL timing, derived, simulated).
 
+A recorded ``fully_shard`` run (ddplab.measure.recording_fsdp) has no buckets: each rank gets
+an "all-gather" and a "reduce-scatter" row instead of "comm" (in backward the two overlap), one
+colour per operation, and the hover names the FSDP unit and its padded bytes.
+
 Honest labels: a simulated link is named on the figure and its transfers are
 hatched; runs with more ranks than CPUs say "oversubscribed"; torch DDP's
 first iterations (one bucket, then the rebuild), warm-up and ``no_sync``
