@@ -412,6 +412,11 @@ class FsdpRecorder(RunRecorder):
             raise RuntimeError(self.failed)
         return super().finish(timeout)
 
+    def wait(self, timeout: float | None = None) -> dict:
+        if self.failed is not None:  # nothing will be written: say why, not an empty {}
+            raise RuntimeError(self.failed)
+        return super().wait(timeout)
+
     def _stop(self, timeout: float, waited_for: bool) -> None:
         from ddplab.measure.recording_end import DESTROYED, group_alive
 

@@ -234,6 +234,8 @@ def fsdp_state_after(ending):
             rec.finish()
         except RuntimeError as e:
             finish_says = str(e)
+        with pytest.raises(RuntimeError, match="nothing will be written"):
+            rec.wait()
     after = snapshot()
     step()  # trains again, through FSDP's own comms
     return {"before": before, "during": during, "after": after, "raised": raised, "finish_says": finish_says,
