@@ -40,8 +40,10 @@ _SYNC = ("average_gradients", "OverlapDDP", "BucketedDDP")
 def record(model, steps=range(1, 6), out=None, process_group=None):
     """Record optimizer ``steps`` of your torch DDP training on every rank (ddplab.measure.recording);
     ``model``: the DDP wrapper, or what holds it (a Lightning or Hugging Face Trainer, a
-    LightningModule: ddplab.integrations). With ``out="run"`` rank 0 writes
-    run.json, run.trace.json and run.html (the labs' figures) once the last step is over."""
+    LightningModule: ddplab.integrations), or the root module torch's ``fully_shard`` was applied
+    to (its all-gathers and reduce-scatters per unit: ddplab.measure.recording_fsdp). With
+    ``out="run"`` rank 0 writes run.json, run.trace.json and run.html (the labs' figures) once the
+    last step is over."""
     from ddplab.cli.view import runs_page
     from ddplab.integrations import record as attach
 

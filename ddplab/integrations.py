@@ -20,10 +20,12 @@ and finishes it when training ends (on every rank), and returns a handle that
 becomes the recorder then. Nothing here imports a
 trainer you did not hand over.
 
-Leaves out: FSDP (``fully_shard``) has no DDP wrapper and no buckets: it is
-refused with a sentence (its all-gathers and reduce-scatters are drawn from
-the process group, ddplab.pg). DeepSpeed and Lightning's FSDP strategies are
-not DDP either.
+A module torch's ``fully_shard`` (FSDP2) was applied to has no DDP wrapper and
+no buckets: it is handed to ddplab.measure.recording_fsdp, which records its
+all-gathers and reduce-scatters per unit.
+
+Leaves out: DeepSpeed and Lightning's or accelerate's FSDP strategies (not DDP,
+and their models are not handed over here).
 References: lightning/pytorch/strategies/ddp.py (DDPStrategy.model),
 accelerate/accelerator.py (prepare_model), transformers/trainer.py
 (model_wrapped), transformers/trainer_callback.py (CallbackHandler).
@@ -32,7 +34,17 @@ from __future__ import annotations
 
 WHAT_TO_PASS = ("pass the DistributedDataParallel object that wraps your model: the object "
                 "DistributedDataParallel(...) or accelerator.prepare(model) returned, a Lightning Trainer "
-                "(trainer.strategy.model) or a Hugging Face Trainer (trainer.model_wrapped)")
+                "(trainer.strategy.model) or a Hugging Face Trainer (trainer.model_wrapped); or the "
+                "module torch's fully_shard(...) was applied to last (the root)")
+
+
+def _fully_sharded(x) -> bool:
+    """Whether ``x`` is a module torch's ``fully_shard`` was applied to (FSDP2's FSDPModule)."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # older torch
+        return False
+    return isinstance(x, FSDPModule)
 
 
 TRAINER_NAMES = {"lightning_trainer": "Lightning", "lightning_module": "Lightning",
@@ -70,15 +82,8 @@ def find_wrapper(x):
 
     if isinstance(x, DistributedDataParallel):
         return x
-    try:
-        from torch.distributed.fsdp import FSDPModule
-    except ImportError:  # older torch
-        FSDPModule = ()
-    if isinstance(x, FSDPModule):
-        raise TypeError("ddplab.record times torch DDP's buckets, and a fully_shard-ed module has "
-                        "none: its all-gathers and reduce-scatters are drawn from the process group "
-                        "(ddplab.pg.group.ObservingGroup, as lab 12 does); for a recording, wrap the "
-                        "same model in DistributedDataParallel and pass that")
+    if _fully_sharded(x):  # its all-gathers and reduce-scatters: ddplab.measure.recording_fsdp
+        return x
     family = _family(x)
     if family == "lightning_trainer":
         inner = getattr(getattr(x, "strategy", None), "model", None)
@@ -185,6 +190,10 @@ def record(x, steps, out, process_group, write_page):
     from ddplab.measure.recording import record as attach
 
     found = find_wrapper(x)
+    if _fully_sharded(found):
+        from ddplab.measure.recording_fsdp import record as attach_fsdp
+
+        return attach_fsdp(found, steps, out, process_group, write_page)
     family = _family(x)
     trainer = TRAINER_NAMES.get(family, "accelerate" if _prepared_by_accelerate(found) else "torch DDP")
     if found is not None:

@@ -6,7 +6,9 @@ the metrics the labs use (step time, exposed communication, overlap), and each i
 A run whose communication was not measured, or that was predicted rather than measured (the
 what-if), carries that label on the page. The page lists the stamp source labels its runs hold
 (``cpu``, ``cuda_event``, ``derived``, ...) with what each means, and its legends name only
-what is drawn (no "saved vs manual" without a manual run).
+what is drawn (no "saved vs manual" without a manual run). A recorded ``fully_shard`` run
+(ddplab.measure.recording_fsdp) draws its all-gathers and reduce-scatters on rows of their own
+under each rank's compute row, so it can sit beside a DDP run of the same model.
 
 Leaves out: anything the recording did not stamp (kernels, memory).
 References: ddplab.measure.recording (the files), ddplab.widgets.html (the page).

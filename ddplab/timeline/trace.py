@@ -3,7 +3,9 @@
 Teaches: the trace is the timeline, drawn by a tool built for it. One process
 per rank (per strategy when several are exported together), two tracks each:
 "compute" (forward, backward, wait, step) and "communication" (one slice per
-bucket all-reduce, from launch or known start to completion). Bucket index,
+bucket all-reduce, from launch or known start to completion); a recorded
+fully_shard run adds one track per collective (all-gathers, reduce-scatters),
+each slice named by its op and FSDP unit. Bucket index,
 bytes, parameter names and each stamp's source sit in the slice's args, so
 clicking a slice answers "what was in this bucket?".
 
@@ -16,6 +18,10 @@ from __future__ import annotations
 import json
 
 from ddplab.timeline.records import Timeline
+
+# A recorded fully_shard run (ddplab.measure.recording_fsdp): its all-gathers and reduce-scatters
+# overlap in backward, so each op gets a track of its own
+OP_TRACKS = {"all_gather_into_tensor": 2, "reduce_scatter_tensor": 3}
 
 
 def to_chrome_trace(timelines, origin: float | None = None) -> dict:
@@ -37,6 +43,9 @@ def to_chrome_trace(timelines, origin: float | None = None) -> dict:
                 {"ph": "M", "pid": pid, "tid": 0, "name": "thread_name", "args": {"name": "compute"}},
                 {"ph": "M", "pid": pid, "tid": 1, "name": "thread_name", "args": {"name": "communication"}},
             ]
+            if tl.strategy == "fully_shard":
+                events += [{"ph": "M", "pid": pid, "tid": tid, "name": "thread_name", "args": {"name": op}}
+                           for op, tid in OP_TRACKS.items()]
         for it in tl.iterations:
             pid = k * 1000 + it.rank
             for phase, (a, b) in sorted(it.phases.items(), key=lambda kv: kv[1][0]):
@@ -51,7 +60,10 @@ def to_chrome_trace(timelines, origin: float | None = None) -> dict:
             if span is None:
                 continue
             pid = k * 1000 + b.rank
-            events.append({"ph": "X", "pid": pid, "tid": 1, "name": f"bucket {b.index}",
+            # a recorded fully_shard run: (op, phase, unit), each op on a track of its own
+            op = b.params[0] if tl.strategy == "fully_shard" and len(b.params) == 3 else None
+            tid, name = (OP_TRACKS[op], f"{op} {b.params[2]}") if op in OP_TRACKS else (1, f"bucket {b.index}")
+            events.append({"ph": "X", "pid": pid, "tid": tid, "name": name,
                            "ts": us(span[0]), "dur": max(0.0, us(span[1]) - us(span[0])),
                            "cat": "communication",
                            "args": {"iteration": b.iteration, "bucket": b.index, "bytes": b.nbytes,

@@ -22,6 +22,7 @@ from plotly.subplots import make_subplots
 
 from ddplab.timeline import Timeline
 from ddplab.widgets.gantt import (
+    comm_rows,
     flagged_spans,
     gantt_traces,
     mark_flagged,
@@ -67,7 +68,8 @@ def compare_timelines_figure(timelines: dict, iterations=1, height=None,
     n = max(1, len(names))
     ranks_of = {s: sorted({it.rank for it in tl.iterations} | {b.rank for b in tl.buckets})
                 for s, tl in timelines.items()}
-    weights = [max(1, len(ranks_of[s])) for s in names] or [1]
+    # a panel's height: its rows (a recorded fully_shard run has 3 per rank, DDP 2)
+    weights = [max(1, len(ranks_of[s])) * (1 + len(comm_rows(timelines[s]))) / 2 for s in names] or [1]
     shown_of = {s: select_iterations(tl, iterations) for s, tl in timelines.items()}
     labels_of = {s: run_labels(tl) for s, tl in timelines.items()}
     common = [lab for lab in (labels_of[names[0]] if names else [])
@@ -89,7 +91,7 @@ def compare_timelines_figure(timelines: dict, iterations=1, height=None,
             t.showlegend = t.legendgroup not in in_legend
             in_legend.add(t.legendgroup)
             fig.add_trace(t, row=k + 1, col=1)
-        style_rows(fig, ranks_of[s], row=k + 1, col=1)
+        style_rows(fig, ranks_of[s], row=k + 1, col=1, tl=tl)
         spans = flagged_spans(tl, shown, origin)
         any_flagged |= bool(spans)
         axis = "" if k == 0 else str(k + 1)
@@ -115,8 +117,11 @@ def metrics_figure(metrics: dict, labels=(), height=380) -> go.Figure:
     """Bars per strategy: step, exposed comm, saved_ms (ms, left); MiB all-reduced (right).
     A metric no strategy has (saved_ms when manual did not run) gets no bars and no legend."""
     names = list(metrics)
+    # a sharded run (FSDP: exposed comm is None there) all-gathers and reduce-scatters instead
+    sharded = any(m.get("exposed_comm_ms") is None and m.get("n_buckets") for m in metrics.values())
     fig = make_subplots(rows=1, cols=2, column_widths=[0.72, 0.28], horizontal_spacing=0.1,
                         subplot_titles=["time per step (ms, median of counted iterations)",
+                                        "collectives' bytes per step (MiB)" if sharded else
                                         "all-reduced per step (MiB)"])
     for key, label, color in METRICS:
         ys = [metrics[s].get(key) for s in names]
@@ -132,7 +137,8 @@ def metrics_figure(metrics: dict, labels=(), height=380) -> go.Figure:
         name="MiB per step", x=names, y=mib, showlegend=False, marker_color="#8c8c8c",
         text=[f"{v:.1f}" for v in mib], textposition="outside", cliponaxis=False,
         customdata=[metrics[s].get("n_buckets", 0) for s in names],
-        hovertemplate="<b>%{x}</b><br>%{y:.2f} MiB in %{customdata} all-reduce(s)<extra></extra>"),
+        hovertemplate="<b>%{x}</b><br>%{y:.2f} MiB in %{customdata} "
+                      + ("collective(s)" if sharded else "all-reduce(s)") + "<extra></extra>"),
         row=1, col=2)
     fig.update_layout(barmode="group", template="plotly_white", height=height + 18 * len(labels),
                       title=titled("Metrics", labels),

@@ -11,6 +11,10 @@ bucket's parameters, bytes, when its gradients were ready, when it launched,
 how long it was in flight, and where each stamp came from (cpu clock, CUDA
 event, NCCL timing, derived, simulated).
 
+A recorded ``fully_shard`` run (ddplab.measure.recording_fsdp) has no buckets: each rank gets
+an "all-gather" and a "reduce-scatter" row instead of "comm" (in backward the two overlap), one
+colour per operation, and the hover names the FSDP unit and its padded bytes.
+
 Honest labels: a simulated link is named on the figure and its transfers are
 hatched; runs with more ranks than CPUs say "oversubscribed"; torch DDP's
 first iterations (one bucket, then the rebuild), warm-up and ``no_sync``
@@ -62,9 +66,23 @@ OP_STYLE = {
 
 
 def op_of(b):
-    """The collective a bar recorded from the group stands for (its params are (op, phase)),
-    or None for a DDP bucket."""
-    return b.params[0] if len(b.params) == 2 and b.params[0] in OP_STYLE else None
+    """The collective a bar recorded from the group stands for (its params are (op, phase), or
+    (op, phase, unit) from ``ddplab.record`` of a fully_shard-ed model), or None for a DDP bucket."""
+    return b.params[0] if len(b.params) in (2, 3) and b.params[0] in OP_STYLE else None
+
+
+def own_rows(tl: Timeline) -> bool:
+    """Whether ``tl``'s collectives get a row per operation on each rank (a recorded
+    fully_shard run, ddplab.measure.recording_fsdp: its all-gathers and reduce-scatters
+    overlap in backward), instead of one "comm" row."""
+    return tl.strategy == "fully_shard"
+
+
+def comm_rows(tl: Timeline | None) -> tuple:
+    """The communication rows each rank of ``tl`` gets under its compute row."""
+    if tl is not None and own_rows(tl):
+        return tuple(OP_STYLE[op][0] for op in ("all_gather_into_tensor", "reduce_scatter_tensor"))
+    return ("comm",)
 
 
 def bucket_color(index: int) -> str:
@@ -90,8 +108,8 @@ def in_flight_lanes(tl: Timeline, shown) -> dict:
     return out
 
 
-def row_names(ranks) -> list[str]:
-    return [f"rank {r} {kind}" for r in ranks for kind in ("compute", "comm")]
+def row_names(ranks, comm=("comm",)) -> list[str]:
+    return [f"rank {r} {kind}" for r in ranks for kind in ("compute", *comm)]
 
 
 def select_iterations(tl: Timeline, iterations=None) -> list[int]:
@@ -194,7 +212,7 @@ def gantt_traces(tl: Timeline, iterations=None, origin=None, legend=True, name_s
             hidden += 1
             continue
         drawn.append(b)
-    if by_op and any(op_of(b) for b in drawn):  # recorded from the group: one trace per op
+    if (by_op or own_rows(tl)) and any(op_of(b) for b in drawn):  # recorded from the group: one trace per op
         for op, (label, color, what) in OP_STYLE.items():
             traces += _op_trace(tl, [b for b in drawn if op_of(b) == op], origin, label, color,
                                 what, legend, name_suffix)
@@ -246,15 +264,18 @@ def _op_trace(tl, buckets, origin, label, color, what, legend, name_suffix) -> l
     """One trace for every call of one collective: its colour, and hover text that says what it
     does, in which phase, how many bytes the rank handed the group, and when."""
     y, x, base, hover = [], [], [], []
+    row = label if own_rows(tl) else "comm"
     for b in buckets:
         a, e = (_ms(t, origin) for t in b.comm_interval())
-        y.append(f"rank {b.rank} comm")
+        y.append(f"rank {b.rank} {row}")
         base.append(a)
         x.append(e - a)
+        size = (f"{b.nbytes:,} bytes handed to the group ({b.nbytes / 2**20:.2f} MiB)" if len(b.params) == 2 else
+                f"unit <b>{b.params[2]}</b>: {b.nbytes:,} bytes of padded flat parameters "
+                f"({b.nbytes / 2**20:.2f} MiB; the all-gather's output, the reduce-scatter's input)")
         hover.append(f"<b>{label}</b> · rank {b.rank} · iteration {b.iteration} · {b.params[1]}"
-                     f"<br>{what}"
-                     f"<br>{b.nbytes:,} bytes handed to the group ({b.nbytes / 2**20:.2f} MiB)"
-                     f"<br>params: {b.params[0]}, {b.params[1]}<br>in flight {a:.1f} → {e:.1f} ms"
+                     f"<br>{what}<br>{size}"
+                     f"<br>params: {', '.join(b.params)}<br>in flight {a:.1f} → {e:.1f} ms"
                      f" = <b>{e - a:.1f} ms</b>")
     if not x:
         return []
@@ -292,9 +313,10 @@ def mark_flagged(fig, spans, xref="x", yref="y"):
                            font=dict(size=10, color="#7a5b00"))
 
 
-def style_rows(fig, ranks, row=None, col=None):
-    """Rank 0 on top, compute above comm."""
-    fig.update_yaxes(type="category", categoryorder="array", categoryarray=row_names(ranks),
+def style_rows(fig, ranks, row=None, col=None, tl=None):
+    """Rank 0 on top, compute above comm (above all-gather and reduce-scatter for ``tl``, a
+    recorded fully_shard run)."""
+    fig.update_yaxes(type="category", categoryorder="array", categoryarray=row_names(ranks, comm_rows(tl)),
                      autorange="reversed", row=row, col=col)
 
 
@@ -313,12 +335,12 @@ def timeline_figure(tl: Timeline, iterations=None, title=None, height=None) -> g
                    + (" — simulated link" if tl.meta.get("simulated_link") else ""), x=0.01),
         xaxis_title="time since the first shown iteration started (ms)"
                     + (" · shaded iterations are not averaged" if spans else ""),
-        height=height or 230 + 60 * len(ranks) + 16 * len(labels),
+        height=height or 230 + 30 * (1 + len(comm_rows(tl))) * len(ranks) + 16 * len(labels),
         legend=dict(orientation="h", yref="container", y=0, yanchor="bottom", x=0),
         uniformtext=dict(minsize=8, mode="hide"),
         margin=dict(l=10, r=10, t=70 + 16 * len(labels), b=110),
         hoverlabel=dict(align="left"))
-    style_rows(fig, ranks)
+    style_rows(fig, ranks, tl=tl)
     mark_flagged(fig, spans)
     notes = labels + ([f"{hidden} all-reduce(s) have only host stamps on GPU: not drawn"]
                       if hidden else [])
