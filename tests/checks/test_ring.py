@@ -281,6 +281,25 @@ def test_planted_mistakes_are_named(cluster, fn, name):
     assert cluster.run(lambda: dist.get_world_size()) == [3, 3, 3]
 
 
+def test_the_two_nodes_store_port_lies_below_the_os_range_and_skips_a_port_in_use(monkeypatch):
+    # a port from the OS's own range can be handed to another process's next socket before
+    # torchrun binds it (seen beside the graders' catalogue): the lab picks one below it
+    import socket
+
+    low = int(open("/proc/sys/net/ipv4/ip_local_port_range").read().split()[0])
+    ports = {firstgroup.free_port() for _ in range(20)}
+    assert all(10000 <= p < min(low, 20000) for p in ports), ports
+    held = socket.socket()
+    held.bind(("127.0.0.1", min(ports)))  # in use now
+    other = max(ports) if max(ports) != min(ports) else min(ports) + 1
+    tries = iter([min(ports), other])
+    monkeypatch.setattr(firstgroup.random, "randrange", lambda a, b: next(tries))
+    try:
+        assert firstgroup.free_port() == other
+    finally:
+        held.close()
+
+
 @pytest.mark.slow
 def test_two_nodes_with_torchrun_on_this_machine():
     out = firstgroup.two_nodes(nproc_per_node=2)
