@@ -261,6 +261,18 @@ def _start_reaper(lifeline_fd: int) -> None:
     os.close(lifeline_fd)
 
 
+def _let_threads_finish(limit_s: float = 4.0) -> None:
+    """Join the threads a job left running that are not daemons, as the interpreter does at a
+    normal exit and ``os._exit`` does not: ``ddplab.record`` gathers and writes its files on
+    such a thread after the last step, so a cluster shut down right after a recorded cell
+    would otherwise lose them. Bounded by the kernel's own wait for this rank (``stop``'s
+    ``wait_s``, 5 s), after which it kills the rank anyway."""
+    deadline = time.monotonic() + limit_s
+    for t in threading.enumerate():
+        if t is not threading.main_thread() and not t.daemon:
+            t.join(max(0.0, deadline - time.monotonic()))
+
+
 def _leave(code: int = 0) -> None:
     try:
         sys.stdout.flush()
@@ -303,6 +315,7 @@ def main() -> None:
             except OSError:
                 _leave(0)  # the kernel went away while the job ran
         elif msg[0] == "shutdown":
+            _let_threads_finish()
             try:
                 import torch.distributed as dist
 

@@ -71,3 +71,29 @@ def test_killing_the_kernel_leaves_no_rank_behind():
             time.sleep(0.1)
         assert all(gone(p) for p in pids), "a rank outlived the kernel"
         assert all(gone(p) for p in kids), "a process started by a job outlived the kernel"
+
+
+def write_later(path):
+    """A job that leaves a thread behind (not a daemon) that writes ``path`` 1.5 s later, as
+    ddplab.record's gathering writes its files after the last step."""
+    def later():
+        time.sleep(1.5)
+        with open(path, "w") as f:
+            f.write("written")
+
+    threading.Thread(target=later).start()
+    return os.getpid()
+
+
+@pytest.mark.slow
+def test_a_shutdown_right_after_a_job_lets_its_threads_finish_their_files(tmp_path):
+    import ddplab
+
+    path = str(tmp_path / "late.txt")
+    cluster = ddplab.Cluster(world_size=1)
+    try:
+        [pid] = cluster.run(write_later, path)
+    finally:
+        cluster.shutdown()  # at once: the thread is still sleeping
+    assert open(path).read() == "written"  # the rank waited for it before it left
+    assert gone(pid)
