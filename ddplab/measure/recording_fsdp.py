@@ -362,16 +362,6 @@ class FsdpRecorder(RunRecorder):
         if self._backward_done and self._recording() and self._holds(optimizer):
             self._step_t0 = now()
 
-    def _after_optimizer_step(self, optimizer, args, kwargs):
-        if self.finished or not self._holds(optimizer):
-            return
-        self._stepper_seen = True
-        if self._micro == 0:  # a second optimizer over the same parameters: one step
-            return
-        if self._recording() and self._step_t0 is not None:
-            self.recorder.set_phase("step", self._step_t0, now(), "cpu")
-        self._end_step()
-
     def _end_step(self) -> None:
         if self._recording():
             self._micro_steps[self.step] = self._micro
