@@ -210,6 +210,10 @@ def test_a_learners_tmp_is_private_and_goes_with_their_server(tmp_path):
                                preexec_fn=as_nobody(lambda: private_tmp.enter(size)))
         assert "sees False" in other.stdout and tag not in other.stdout, other  # nor in another learner's
         assert "umount 0" not in other.stdout and "umount" in other.stdout, other  # a learner cannot undo it
+        # nothing mounted in there propagates out: its / is a slave (or private), never shared
+        root_line = next(line.split() for line in pathlib.Path(f"/proc/{server.pid}/mountinfo").read_text().splitlines()
+                         if line.split()[4] == "/")
+        assert not any(tag.startswith("shared:") for tag in root_line[6:root_line.index("-")]), root_line
         namespace = os.stat(f"/proc/{server.pid}/ns/mnt").st_ino
         assert namespace != os.stat("/proc/self/ns/mnt").st_ino
         os.killpg(server.pid, 9)  # the server stops (limits.end kills every process of the learner)
