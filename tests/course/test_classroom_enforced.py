@@ -235,8 +235,8 @@ import torch
 import torch.distributed as dist
 import ddplab
 
-def total(rank):
-    t = torch.tensor([float(rank + 1)])
+def total():
+    t = torch.tensor([float(dist.get_rank() + 1)])
     dist.all_reduce(t)
     return t.item()
 
@@ -415,3 +415,73 @@ def test_doctor_says_what_is_enforced_and_what_stands_in(tmp_path, monkeypatch, 
     out = capsys.readouterr().out
     assert "class limits" in out and f"  GPUs per learner: {said['GPUs per learner']}" in out
 
+
+
+# --- the hub's own config, without a hub ---------------------------------------------------
+
+SERVER_C = r"""
+import os
+open("/tmp/from-the-server", "w").write("x")
+print("cgroups", open("/proc/self/cgroup").read().replace("\n", " "))
+print("tmp", [l.split(" - ")[1].split()[::2] for l in open("/proc/self/mountinfo") if l.split()[4] == "/tmp"])
+print("uid", os.getuid(), flush=True)
+import time; time.sleep(600)
+"""
+
+
+@root_only
+@pytest.mark.more  # jupyterhub's import and the config: 10-25 s on a loaded 2-core machine
+@pytest.mark.timeout(180)
+def test_the_hubs_spawner_puts_a_learners_server_in_its_groups_and_namespace(monkeypatch, tmp_path):
+    pytest.importorskip("jupyterhub")
+    need(limits.CONTROLLERS)
+    if private_tmp.works():
+        pytest.skip(f"no mount namespace here: {private_tmp.works()}")
+    from types import SimpleNamespace
+
+    from traitlets.config import Config
+
+    from ddplab.course import accounts, hubconfig, safety
+
+    monkeypatch.setattr(accounts, "check_logins", lambda names: None)  # nobody has no password
+    monkeypatch.setattr(safety, "close_checkout", lambda: None)  # (this checkout stays as it is)
+    folder = tmp_path / "class"
+    folder.mkdir()
+    text = hubconfig.render(folder=str(folder), learners=["nobody"], admin="root", gpus_per_learner=0, threads=1,
+                            mem_gib=0.25, spawner="local", trusted=False, ip="127.0.0.1", port=8000,
+                            proxy_cmd="/opt/chp", idle_timeout=600)
+    hub = {"get_config": Config}
+    cls = limits.class_name(folder)
+    server = None
+    try:
+        exec(compile(text, "jupyterhub_config.py", "exec"), hub)
+        config = hub["c"]
+        assert config.Spawner.environment["DDPLAB_GPU_LOCK_DIR"] == "/var/tmp/ddplab-gpu-locks"
+        assert hub["PRIVATE_TMP"] is True
+        assert all(f.is_dir() for f in limits.grading_folders(cls))  # handed to the instructor (root here)
+        spawner = hub["SeatedSpawner"](user=SimpleNamespace(name="nobody", url="/user/nobody/"))
+        config.Spawner.pre_spawn_hook(spawner)  # take_seat: the seat and the learner's groups
+        out = tmp_path / "server.out"
+        with open(out, "w") as f:
+            server = subprocess.Popen([PYTHON, "-c", SERVER_C], stdout=f, stderr=subprocess.STDOUT,
+                                      preexec_fn=spawner.make_preexec_fn("nobody"), start_new_session=True)
+        deadline = time.monotonic() + 60
+        while "uid" not in out.read_text() and server.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        said = out.read_text()
+        assert f"uid {NOBODY}" in said, said
+        for controller in limits.CONTROLLERS:
+            assert re.search(rf":{controller}:/ddplab/{cls}/nobody ", said), (controller, said)
+        # a tmpfs of --mem-gib, 0.25 GiB (its mode, 1777, is tmpfs's default: mountinfo leaves it out)
+        assert re.search(r"tmp \[\['tmpfs', 'rw,size=262144k\b", said), said
+        assert not os.path.exists("/tmp/from-the-server")
+        config.Spawner.post_stop_hook(spawner)  # end_learner: every process in the groups ended
+        server.wait(timeout=30)
+        assert not any(g.exists() for g in limits.groups(cls, "nobody"))
+    finally:
+        if server is not None and server.poll() is None:
+            os.killpg(server.pid, 9)
+            server.wait()
+        limits.end(cls, "nobody")
+        limits.remove_class(cls)
+    assert not any((limits.BASE / c / "ddplab" / cls).exists() for c in limits.CONTROLLERS)
