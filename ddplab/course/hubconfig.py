@@ -273,7 +273,7 @@ def limited_spawner_lines(mem_gib: float, threads: int) -> list[str]:
         "CGROUPS = limits.writable()  # cgroup v1 controllers the hub (root) may use here",
         "for _name in LEARNERS:  # what a killed hub's servers left running",
         "    limits.end(CLASS, _name)",
-        *private_tmp_lines(),
+        *isolation_lines(),
         "",
         "",
         "class SeatedSpawner(LocalProcessSpawner):",
@@ -307,7 +307,7 @@ def limited_spawner_lines(mem_gib: float, threads: int) -> list[str]:
     ]
 
 
-def private_tmp_lines() -> list[str]:
+def isolation_lines() -> list[str]:
     """A private /tmp and /dev/shm per learner's server (ddplab/course/private_tmp.py), GPU seats
     enforced (ddplab/course/gpu_nodes.py), autograde's groups handed to the instructor."""
     return [

@@ -30,7 +30,8 @@ Leaves out: ``/var/tmp`` (shared; the end of a class gives its learners' files t
 instructor), user namespaces (the hub is root), pid and network namespaces. systemdspawner's
 ``isolate_tmp`` is the same idea with systemd's ``PrivateTmp``.
 References: unshare(2) (CLONE_NEWNS), mount_namespaces(7) (shared subtrees: MS_SLAVE),
-mount(2), tmpfs(5) (size=, mode=), the kernel's cgroup-v1 memory.txt (shmem is charged).
+mount(2), tmpfs(5) (size=, mode=), the kernel's cgroup-v1 memory.txt (shmem is charged); NCCL's
+troubleshooting guide on its shared memory in /dev/shm.
 """
 from __future__ import annotations
 
