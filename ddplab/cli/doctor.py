@@ -5,7 +5,10 @@ which backends it has (gloo is always there; nccl needs a CUDA build and
 GPUs), which GPUs this process may see (CUDA_VISIBLE_DEVICES) and who else is
 using each of them, how many CPUs it may use (affinity mask and cgroup quota,
 not os.cpu_count()), and how loaded the machine is: on a server shared by a
-class, other learners' ranks take cores and GPUs too.
+class, other learners' ranks take cores and GPUs too. Last, what a class's hub
+could enforce here per learner (``ddplab.course.limits.enforced``): cgroup v1
+memory, processes, CPUs and GPU devices, a private /tmp, grading in a cgroup,
+or only rlimits per process.
 
 It never creates a CUDA context: GPUs are read through nvidia-smi (NVML).
 """
@@ -71,7 +74,14 @@ def report(world_sizes=(1, 2, 4, 8), found=None) -> dict:
         "load_1min": load1,
         "ddplab_ranks_by_uid": ranks_on_machine(),
         "auto": auto,
+        "class_limits": class_limits(),
     }
+
+
+def class_limits() -> dict[str, str]:
+    from ddplab.course import limits
+
+    return limits.enforced()
 
 
 def main(world_sizes=(1, 2, 4, 8)) -> int:
@@ -106,4 +116,7 @@ def main(world_sizes=(1, 2, 4, 8)) -> int:
         print(f"  world_size={ws}: {a['backend']}{where}, {a['threads_per_rank']} thread(s) per rank{note}")
         for n in a["notes"]:
             print(f"    {n}")
+    print("class limits    what `python -m ddplab classroom`'s hub enforces per learner here:")
+    for what, how in r["class_limits"].items():
+        print(f"  {what}: {how}")
     return 0

@@ -40,7 +40,7 @@ import re
 import shutil
 import sys
 
-from ddplab.course import accounts, hubconfig, safety
+from ddplab.course import accounts, hubconfig, limits, safety
 from ddplab.course import logins as logins_module
 
 COURSE_ID = "ddplab"
@@ -218,7 +218,7 @@ def _fill(folder: pathlib.Path, names: list[str], proxy: str, per: int, args) ->
         w.writerow(["id"])
         w.writerows([n] for n in names)
     (course / "nbgrader_config.py").write_text(course_config(
-        course, exchange, None if args.trusted_class else grader(args), args.mem_gib))
+        course, exchange, None if args.trusted_class else grader(args), args.mem_gib, args.threads))
     write_learner_config(folder / "learner-config", exchange)
     (folder / "jupyterhub_config.py").write_text(hubconfig.render(
         folder=str(folder), learners=names, admin=args.instructor, gpus_per_learner=per,
@@ -270,14 +270,17 @@ def check_slurm(args) -> None:
 
 
 def course_config(course: pathlib.Path, exchange: pathlib.Path, grader: str | None = None,
-                  mem_gib: float = 3.0) -> str:
+                  mem_gib: float = 3.0, threads: int = 2) -> str:
     guarded = [
         "# Each submission runs as the grading account, which can read nothing of the course",
         "# (ddplab/course/gradebox.py); collect takes a submission only from the learner it names",
         "# and never one dated in the future (ddplab/course/exchange_guard.py).",
         "from ddplab.course import gradebox",
         "",
-        f"gradebox.configure(c, user={grader!r}, memory_gib={max(mem_gib, GRADING_MIN_GIB)!r})",
+        f"gradebox.configure(c, user={grader!r}, memory_gib={max(mem_gib, GRADING_MIN_GIB)!r},",
+        "                    # each submission in cgroups of its own, as limited as a learner",
+        f"                    cgroup_class={limits.class_name(course.parent)!r}, group_memory_gib={mem_gib!r},",
+        f"                    group_cpus={float(threads)!r})",
         "c.ExchangeFactory.collect = 'ddplab.course.exchange_guard.OwnedCollect'",
     ] if grader else []
     return "\n".join([
@@ -411,8 +414,6 @@ def run(args, parser) -> int:
               "by every account, with the solutions in its history: chmod o-rwx it, or install ddplab "
               "from a plain clone", file=sys.stderr)
     if args.spawner == "local":
-        from ddplab.course import limits
-
         print("\nWhat this machine enforces per learner (ddplab/course/limits.py):")
         for line in limits.describe(args.mem_gib, args.threads):
             print(f"  - {line}")

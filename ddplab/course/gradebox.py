@@ -12,7 +12,10 @@ creates it beside the learners). That process (:func:`main`):
    same uid, and could otherwise write into its answer pipe through ``/proc/<pid>/fd`` or
    ptrace it;
 2. lowers its own limits (address space, processes, file size, core dumps), which no later
-   code of that account can raise again;
+   code of that account can raise again; where the class has cgroups, it already runs in the
+   submission's own memory, pids and cpu groups (:class:`ddplab.course.limits.GradingRun`),
+   which the instructor's process made and joined just before it started the sandbox: they
+   hold the kernel and its ranks together, not each process alone, and are removed after;
 3. writes the notebook into a fresh scratch folder in the grading account's 0700 home, and
    points HOME, IPython's and Jupyter's folders and TMPDIR inside it, with no user
    site-packages (``python -s``, ``PYTHONNOUSERSITE``): a startup file, kernel spec or ``.pth``
@@ -39,7 +42,8 @@ Leaves out: a container or a network namespace (a submission can still open sock
 anything against a submission that fakes its own grade cells' results: its code runs in the same
 kernel as its graders (it can replace the checks they call, or print "passed" and exit), as in
 every nbgrader course; the sandbox keeps the course's files from it, not its own grade.
-References: nbgrader's "Autograding resources" and its Execute preprocessor; setrlimit(2),
+References: nbgrader's "Autograding resources" and its Execute preprocessor; setrlimit(2), the
+kernel's cgroup-v1 documentation (cgroups.txt on who may move a process),
 kill(2) ("If pid equals -1"); prctl(2) (PR_SET_DUMPABLE), proc(5) on
 ptrace access mode; sudo(8), runuser(1).
 """
@@ -85,6 +89,13 @@ def step_class() -> type:
         memory_gib = Float(4.0, help="address space of the grading process and each of its children").tag(config=True)
         wall_s = Integer(1800, help="the longest one notebook's grading may take, all cells together").tag(config=True)
         max_output_mib = Integer(64, help="the most the sandbox may send back").tag(config=True)
+        cgroup_class = Unicode("", help="the class's cgroup name (limits.class_name): each submission "
+                                        "in groups of its own under it; empty: rlimits only").tag(config=True)
+        group_memory_gib = Float(3.0, help="memory of a submission's kernel and ranks together "
+                                           "(its cgroup)").tag(config=True)
+        group_cpus = Float(2.0, help="CPU time per second of a submission's kernel and ranks "
+                                     "(its cgroup)").tag(config=True)
+        group_tasks = Integer(1024, help="processes and threads of a submission (its cgroup)").tag(config=True)
 
         def preprocess(self, nb, resources):
             import nbformat
@@ -97,10 +108,14 @@ def step_class() -> type:
                        "env": {k: os.environ[k] for k in ("PYTHONPATH", "LANG", "OMP_NUM_THREADS") if k in os.environ}}
             with _one_at_a_time(self.coursedir_lock()):
                 end_all(self.user)  # whatever an interrupted grading left running ends before this one
+                group = self.group()
                 try:
-                    back = run_as(self.user, json.dumps(request), self.wall_s, self.max_output_mib * 2**20)
+                    back = run_as(self.user, json.dumps(request), self.wall_s, self.max_output_mib * 2**20,
+                                  join=group.join if group else None)
                 finally:  # also when autograde is interrupted (Ctrl-C): no kernel outlives its grading
                     end_all(self.user)
+                    if group and group.end():
+                        self.log.warning("a submission's processes outlived its grading: %s", group.groups)
             executed = nbformat.reads(back, as_version=4)
             if [c.get("id") for c in executed.cells] != [c.get("id") for c in nb.cells]:
                 raise RuntimeError("the sandbox sent back a notebook with other cells: graded nothing")
@@ -110,6 +125,19 @@ def step_class() -> type:
                     mine.outputs = allowed(theirs.get("outputs", []))
                     mine.execution_count = theirs.get("execution_count")
             return nb, resources
+
+        def group(self):
+            """This submission's cgroups, or None (then its limits are the rlimits alone)."""
+            from ddplab.course import limits
+
+            if not self.cgroup_class:
+                return None
+            made = limits.GradingRun.make(self.cgroup_class, int(self.group_memory_gib * 2**30),
+                                          self.group_tasks, self.group_cpus)
+            if made is None:
+                self.log.warning("grading without cgroups (only rlimits per process): the class's "
+                                 "grading groups are not there; start the hub once as root")
+            return made
 
         def coursedir_lock(self) -> pathlib.Path:
             """The course's lock file, in the course root the instructor's config names (never found
@@ -155,8 +183,10 @@ def _text(value) -> str:
     return "".join(map(str, value)) if isinstance(value, list) else str(value or "")
 
 
-def configure(c, user: str, memory_gib: float) -> None:
-    """The course's nbgrader config ``c``: autograde's Execute step becomes SandboxedExecute."""
+def configure(c, user: str, memory_gib: float, cgroup_class: str = "", group_memory_gib: float = 3.0,
+              group_cpus: float = 2.0) -> None:
+    """The course's nbgrader config ``c``: autograde's Execute step becomes SandboxedExecute;
+    with ``cgroup_class``, each submission runs in cgroups of its own with these limits."""
     from nbgrader.converters import Autograde
     from nbgrader.preprocessors import Execute
 
@@ -164,6 +194,9 @@ def configure(c, user: str, memory_gib: float) -> None:
     c.Autograde.autograde_preprocessors = [step_class() if s is Execute else s for s in steps]
     c.SandboxedExecute.user = user
     c.SandboxedExecute.memory_gib = memory_gib
+    c.SandboxedExecute.cgroup_class = cgroup_class
+    c.SandboxedExecute.group_memory_gib = group_memory_gib
+    c.SandboxedExecute.group_cpus = group_cpus
 
 
 def python() -> str:
@@ -203,11 +236,13 @@ def switch(user: str) -> list[str]:
     return ["sudo", "-n", "-u", user, python()]
 
 
-def run_as(user: str, request: str, wall_s: int, max_bytes: int) -> str:
-    """Send ``request`` to :func:`main` running as ``user``; its executed notebook, as text."""
+def run_as(user: str, request: str, wall_s: int, max_bytes: int, join=None) -> str:
+    """Send ``request`` to :func:`main` running as ``user``; its executed notebook, as text.
+    ``join``: called in the child before it execs (it joins the submission's cgroups, which
+    the switch of account and everything after inherit)."""
     command = switch(user) + ENTRY
     proc = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, cwd="/", start_new_session=True)
+                            stderr=subprocess.PIPE, cwd="/", start_new_session=True, preexec_fn=join)
     try:
         out, err = proc.communicate(request.encode(), timeout=wall_s)
     except subprocess.TimeoutExpired:

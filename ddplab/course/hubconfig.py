@@ -226,8 +226,9 @@ def render(*, folder: str, learners: list[str], admin: str, gpus_per_learner: in
         lines.append("    spawner.unit_extra_properties = {'AllowedCPUs': ','.join(map(str, seat.cpus))}")
     if spawner == "local" and not trusted:
         lines += [
-            "    if spawner.user.name != INSTRUCTOR and CGROUPS:",
-            f"        limits.prepare(CLASS, spawner.user.name, MEMORY, {threads}, seat.cpus)",
+            "    if spawner.user.name != INSTRUCTOR and CGROUPS:  # (+ every GPU node but the seat's denied)",
+            f"        limits.prepare(CLASS, spawner.user.name, MEMORY, {threads}, seat.cpus,",
+            "                       denied_gpus=gpu_nodes.denied(seat.gpus) if 'devices' in CGROUPS else ())",
         ]
     lines += [
         "    if spawner.user.name == INSTRUCTOR:  # Formgrader wants the course inside the server's root",
@@ -272,6 +273,7 @@ def limited_spawner_lines(mem_gib: float, threads: int) -> list[str]:
         "CGROUPS = limits.writable()  # cgroup v1 controllers the hub (root) may use here",
         "for _name in LEARNERS:  # what a killed hub's servers left running",
         "    limits.end(CLASS, _name)",
+        *isolation_lines(),
         "",
         "",
         "class SeatedSpawner(LocalProcessSpawner):",
@@ -287,6 +289,8 @@ def limited_spawner_lines(mem_gib: float, threads: int) -> list[str]:
         "                limits.join(CLASS, self.user.name)",
         "            elif learner:",
         f"                limits.rlimits(int(limits.address_space_gib({mem_gib!r}) * 2**30))",
+        "            if learner and PRIVATE_TMP:",
+        "                private_tmp.enter(MEMORY)",
         "            inner()",
         "            os.sched_setaffinity(0, cpus)",
         "        return preexec",
@@ -300,6 +304,25 @@ def limited_spawner_lines(mem_gib: float, threads: int) -> list[str]:
         "    left = limits.end(CLASS, spawner.user.name)",
         "    if left:",
         "        spawner.log.warning('processes of %s outlived their server: %s', spawner.user.name, left)",
+    ]
+
+
+def isolation_lines() -> list[str]:
+    """A private /tmp and /dev/shm per learner's server (ddplab/course/private_tmp.py), GPU seats
+    enforced (ddplab/course/gpu_nodes.py), autograde's groups handed to the instructor."""
+    return [
+        "from ddplab.course import gpu_nodes, private_tmp",
+        "",
+        "PRIVATE_TMP = private_tmp.works() is None  # a mount namespace and a tmpfs per learner's server",
+        "# /tmp is no longer shared: ddplab's GPU locks go where every learner's Clusters see them",
+        "c.Spawner.environment = {**c.Spawner.environment, 'DDPLAB_GPU_LOCK_DIR': '/var/tmp/ddplab-gpu-locks'}",
+        "if set(limits.GRADING_CONTROLLERS) <= set(CGROUPS) and os.geteuid() == 0:",
+        "    import pwd",
+        "",
+        "    try:  # the instructor's autograde makes each submission's groups here",
+        "        limits.delegate_grading(CLASS, pwd.getpwnam(INSTRUCTOR).pw_uid)",
+        "    except KeyError:",
+        "        pass  # no such account (a class without accounts): autograde runs on rlimits",
     ]
 
 

@@ -9,7 +9,9 @@ as any user; the parts that hand files to another account skip unless root).
 - autograde: the outputs that come back are streams, errors, plain text and PNG only (no HTML,
   JavaScript, SVG, metadata or attachments); the lock lives in the course root, not beside a
   config file the submission carries; the grading account's processes are ended before and
-  after each grading, also when autograde is interrupted.
+  after each grading, also when autograde is interrupted; each submission runs in memory, pids
+  and cpu groups of its own (as root), removed after it (its fork bomb and memory hog:
+  tests/course/test_classroom_enforced.py).
 - the sandbox: HOME, Jupyter's and IPython's folders inside the scratch folder, no user site;
   its files in /tmp-like places removed without following a link; the sandbox process is not
   dumpable (its /proc/<pid>/fd is closed to the kernel of the same uid).
@@ -181,7 +183,7 @@ def graded(monkeypatch, outputs, config=None):
                 nbformat.v4.new_markdown_cell("see", attachments={"a.svg": {"image/svg+xml": "<svg/>"}})]
     calls = []
 
-    def sandbox(user, request, wall_s, max_bytes):
+    def sandbox(user, request, wall_s, max_bytes, join=None):
         calls.append("run")
         back = nbformat.reads(json.loads(request)["notebook"], as_version=4)
         back.cells[0].outputs = nbformat.from_dict(outputs)
@@ -235,7 +237,7 @@ def test_the_grading_account_is_ended_before_and_after_also_when_interrupted(mon
     assert calls == ["end", "run", "end"]
     calls.clear()
 
-    def interrupted(*args):
+    def interrupted(*args, **kwargs):
         calls.append("run")
         raise KeyboardInterrupt
 
@@ -243,6 +245,38 @@ def test_the_grading_account_is_ended_before_and_after_also_when_interrupted(mon
     with pytest.raises(KeyboardInterrupt):
         gradebox.SandboxedExecute(user="nobody").preprocess(nbformat.v4.new_notebook(), {})
     assert calls == ["end", "run", "end"]
+
+
+@root_only
+def test_each_submission_runs_in_groups_of_its_own_removed_after(monkeypatch, tmp_path):
+    from ddplab.course import limits
+
+    if not set(limits.GRADING_CONTROLLERS) <= set(limits.writable()):
+        pytest.skip("cgroup v1 memory, pids and cpu not writable here")
+    monkeypatch.chdir(tmp_path)
+    cls, seen = limits.class_name(tmp_path), []
+
+    def sandbox(user, request, wall_s, max_bytes, join=None):
+        run = join.__self__  # the GradingRun whose join the child calls before it execs
+        files = {"memory": "memory.limit_in_bytes", "pids": "pids.max", "cpu": "cpu.cfs_quota_us"}
+        controller = {g: g.relative_to(limits.BASE).parts[0] for g in run.groups}
+        seen.append({controller[g]: (g / files[controller[g]]).read_text().strip() for g in run.groups})
+        seen.append(run.groups)
+        return request and json.loads(request)["notebook"]
+
+    monkeypatch.setattr(gradebox, "run_as", sandbox)
+    monkeypatch.setattr(gradebox, "end_all", lambda user: None)
+    step = gradebox.SandboxedExecute(user="nobody", cgroup_class=cls, group_memory_gib=0.5, group_cpus=1.5,
+                                     group_tasks=99)
+    try:
+        step.preprocess(nbformat.v4.new_notebook(), {})
+        assert seen[0] == {"memory": str(1 << 29), "pids": "99", "cpu": "150000"}
+        assert len(seen[1]) == 3 and not any(g.exists() for g in seen[1])  # removed after the run
+    finally:
+        limits.remove_class(cls)
+    config = Config()
+    gradebox.configure(config, "g", 8.0, cgroup_class="class-x", group_memory_gib=3.0, group_cpus=2.0)
+    assert config.SandboxedExecute.cgroup_class == "class-x" and config.SandboxedExecute.group_cpus == 2.0
 
 
 def test_a_grading_keeps_no_home_jupyter_or_user_site_of_the_last(tmp_path):

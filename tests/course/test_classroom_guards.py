@@ -60,7 +60,7 @@ def test_the_sandbox_sends_back_outputs_only(monkeypatch, tmp_path):
     grader = next(c for c in nb.cells if c.metadata.get("nbgrader", {}).get("grade"))
     source, meta = grader.source, dict(grader.metadata)
 
-    def forged(user, request, wall_s, max_bytes):
+    def forged(user, request, wall_s, max_bytes, join=None):
         import json
 
         back = nbformat.reads(json.loads(request)["notebook"], as_version=4)
@@ -83,7 +83,7 @@ def test_the_sandbox_sends_back_outputs_only(monkeypatch, tmp_path):
 
 def test_a_sandbox_that_changes_the_cells_grades_nothing(monkeypatch, tmp_path):
     nb = room.exercise()
-    monkeypatch.setattr(gradebox, "run_as", lambda *a: nbformat.writes(nbformat.v4.new_notebook()))
+    monkeypatch.setattr(gradebox, "run_as", lambda *a, **k: nbformat.writes(nbformat.v4.new_notebook()))
     monkeypatch.setattr(gradebox, "end_all", lambda user: None)
     monkeypatch.chdir(tmp_path)
     with pytest.raises(RuntimeError, match="other cells: graded nothing"):
