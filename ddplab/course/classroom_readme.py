@@ -15,8 +15,18 @@ def readme(folder, names, gpus_per_learner, args) -> str:
     seats = (f"{gpus_per_learner} GPU(s) each while free GPU sets last (GPUs another process uses "
              "are skipped); learners after that run on CPU and are told so when their first "
              "Cluster starts" if gpus_per_learner else "CPU only (gloo)")
-    mem = ("enforced (systemd units)" if args.spawner == "systemd"
-           else "NOT enforced: the local-process spawner ignores mem_limit")
+    if args.spawner == "systemd":
+        mem = "enforced (systemd units)"
+    elif args.spawner == "slurm":
+        mem = "enforced by Slurm (--mem of each server's job)"
+    elif args.trusted_class:
+        mem = "NOT enforced: one account runs every server, and the local-process spawner ignores mem_limit"
+    else:  # each learner's server joins cgroups of its own where they can be written (limits.py)
+        from ddplab.course import limits
+
+        mem = ("enforced for all of a learner's processes together (cgroup v1 memory)"
+               if "memory" in limits.writable() else
+               "NOT per learner: no cgroup is writable here, only address space per process (RLIMIT_AS)")
     scheme = "https" if args.ssl_cert else "http"
     bin_dir = py.rsplit('/', 1)[0]
     if args.trusted_class:
