@@ -261,7 +261,7 @@ def test_the_class_readme_says_memory_is_enforced_only_where_it_is(monkeypatch, 
     args = Namespace(spawner="local", ssl_cert=None, trusted_class=False, instructor="teach", threads=2,
                      mem_gib=3.0, ip="127.0.0.1", port=8000, idle_timeout=600)
     monkeypatch.setattr(limits, "writable", lambda base=limits.BASE: ["memory", "pids"])
-    assert "memory 3 GiB enforced for all of a learner's processes together" in readme(tmp_path, ["ann"], 0, args)
+    assert "memory 3.0 GiB enforced for all of a learner's processes together" in readme(tmp_path, ["ann"], 0, args)
     monkeypatch.setattr(limits, "writable", lambda base=limits.BASE: [])
-    assert "memory 3 GiB NOT per learner" in readme(tmp_path, ["ann"], 0, args)
+    assert "memory 3.0 GiB NOT per learner" in readme(tmp_path, ["ann"], 0, args)
     assert "enforced by Slurm" in readme(tmp_path, ["ann"], 0, Namespace(**{**vars(args), "spawner": "slurm"}))
