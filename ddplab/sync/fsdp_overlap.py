@@ -54,7 +54,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ddplab.sync.core.fsdp import FSDP, Unit, _in_backward, pad
+from ddplab.sync.core.fsdp import FSDP, Unit, pad
 
 
 class OverlapFSDP(FSDP):
@@ -190,6 +190,11 @@ class OverlapFSDP(FSDP):
             if unit.gathered is False:
                 self._drop_pending(unit)
         return output
+
+
+def _in_backward() -> bool:
+    """True while autograd's engine runs a backward on this thread (the reference asks alike)."""
+    return torch._C._current_graph_task_id() != -1
 
 
 def _after(order: list, unit: Unit):
