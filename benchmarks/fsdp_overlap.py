@@ -47,6 +47,7 @@ def one_run(args, out: Path) -> dict:
     cmd = [sys.executable, "-m", "ddplab", "compare", "--world-size", "2",
            "--strategies", "fsdp,fsdp_overlap,torch_fsdp2", "--steps", str(args.steps),
            "--link", args.link, "--params", str(args.params), "--depth", str(args.depth),
+           "--batch-size", str(args.batch_size),
            "--strategy", f"{Path(__file__).resolve()}:fsdp_overlap_again", "--json", str(out)]
     subprocess.run(cmd, cwd=ROOT, check=True, stdout=subprocess.DEVNULL,
                    env={**os.environ, "PYTHONPATH": str(ROOT)})
@@ -60,9 +61,10 @@ def main(argv=None):
     ap.add_argument("--link", default="1gbe")
     ap.add_argument("--params", default="2e6")
     ap.add_argument("--depth", type=int, default=4)
+    ap.add_argument("--batch-size", type=int, default=32)
     args = ap.parse_args(argv)
     print(f"load average before: {os.getloadavg()[0]:.2f}; link {args.link}, "
-          f"{args.params} parameters in {args.depth} layers")
+          f"{args.params} parameters in {args.depth} layers, batch {args.batch_size}")
     ratios = {"fsdp_overlap/torch_fsdp2": [], "fsdp_overlap/fsdp": [],
               "fsdp_overlap_again/fsdp_overlap (A/A)": [], "fsdp/torch_fsdp2": []}
     with tempfile.TemporaryDirectory() as tmp:

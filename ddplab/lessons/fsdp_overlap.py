@@ -41,7 +41,7 @@ def layers(width: int = 256, depth: int = 4) -> nn.Module:
 
 
 def overlap_on_rank(name: str, link: str = "1gbe", width: int = 256, depth: int = 4,
-                    rows: int = 256, warmup: int = 2) -> dict:
+                    rows: int = 256, warmup: int = 1) -> dict:
     """One recorded step of strategy ``name`` over a simulated ``link`` (after ``warmup``)."""
     rank, ws = dist.get_rank(), dist.get_world_size()
     model = layers(width, depth)

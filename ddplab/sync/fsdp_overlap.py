@@ -16,9 +16,11 @@ torch's ``fully_shard`` (FSDP2) moves them:
    asynchronously: backward meets units in reverse forward order. This is
    FSDP2's implicit backward prefetch (``FSDPParamGroup._backward_prefetch``:
    ``post_forward_order[i - 1]``);
-3. reduce-scatters issued async once a unit's backward is done, and waited at
-   the end of backward (the final callback), as FSDP2's
-   ``_root_post_backward_final_callback`` waits for the last ones;
+3. reduce-scatters issued async once a unit's backward is done, one in flight:
+   the previous one is waited for when the next is issued (FSDP2's
+   ``post_backward`` waits for its oldest, ``reduce_scatter_max_input_buffers``
+   being 1 by default), the last at the end of backward (the final callback, as
+   FSDP2's ``_root_post_backward_final_callback``);
 4. ``reshard_after_forward=False``: the full weights stay from forward to
    backward, so backward gathers nothing (more memory, a third less traffic).
    A unit that IS the wrapped model (the root) always stays gathered after
@@ -162,13 +164,16 @@ class OverlapFSDP(FSDP):
                     else g.reshape(-1).to(self.reduce_dtype), n * self.world_size)
                 .view(self.world_size, n) for sp, n, g in zip(unit.params, sizes, grads)], dim=1)
             mine = rows.new_empty(sum(sizes))
+            # one reduce-scatter in flight at a time: the previous one is finished first, as
+            # FSDP2 waits for its oldest before the next (reduce_scatter_max_input_buffers=1)
+            self._finish_reduces()
             work = dist.reduce_scatter_single(mine, rows.reshape(-1), group=self.process_group,
                                               async_op=True)
             self._reducing.append((unit, work, mine, rows, [g is not None for g in grads]))
         self._reshard(unit)
 
-    def _final(self) -> None:
-        super()._final()  # units whose backward had no end of their own, then every unit resharded
+    def _finish_reduces(self) -> None:
+        """Wait for the reduce-scatters in flight and add each rank's piece to its shard's .grad."""
         for unit, work, mine, _rows, had in self._reducing:
             work.wait()
             mine /= self.world_size  # averaged in reduce_dtype, as FSDP2 averages
@@ -178,6 +183,10 @@ class OverlapFSDP(FSDP):
                     piece = piece.to(torch.float32)  # back to the master weights' dtype
                     sp.shard.grad = piece.clone() if sp.shard.grad is None else sp.shard.grad + piece
         self._reducing = []
+
+    def _final(self) -> None:
+        super()._final()  # units whose backward had no end of their own, then every unit resharded
+        self._finish_reduces()
         self._last_forward_order = _first_calls(self._forward_order)
         self._forward_order = []
 
