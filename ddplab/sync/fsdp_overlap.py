@@ -191,10 +191,10 @@ class OverlapFSDP(FSDP):
         self._forward_order = []
 
     def _forward(self, *args, **kwargs):
+        if self._forward_order:  # a forward without a backward since (validation): its order
+            self._last_forward_order = _first_calls(self._forward_order)  # counts, and the
+            self._forward_order = []  # list starts afresh, so that it never grows
         output = super()._forward(*args, **kwargs)
-        if not torch.is_grad_enabled():  # no backward will come: the order is complete now
-            self._last_forward_order = _first_calls(self._forward_order)
-            self._forward_order = []
         for unit in self.units:  # prefetched for a unit this forward did not call: dropped
             if unit.gathered is False:
                 self._drop_pending(unit)

@@ -7,7 +7,8 @@ ranks' batches, and torch's ``fully_shard`` with the same
 ``reshard_after_forward`` (float32, within 1e-6), for both values of it, on
 models with a frozen middle layer, a frozen first layer whose input needs a
 gradient, activation checkpointing (non-reentrant and reentrant), a layer
-called twice and a keyword tensor. With ``reduce_dtype=torch.bfloat16`` it
+called twice and a keyword tensor, each step after a forward without gradients and one whose
+output no backward uses. With ``reduce_dtype=torch.bfloat16`` it
 equals ``fully_shard`` with ``MixedPrecisionPolicy(reduce_dtype=torch.bfloat16)``,
 and differs from float32 training by far more than the tolerance.
 
@@ -38,14 +39,20 @@ def _adam(params):
     return torch.optim.Adam([p for p in params if p.requires_grad], lr=0.02, weight_decay=0.5)
 
 
-def _train(make, kind, full):
-    """Train STEPS steps; after each, every parameter gathered whole (``full(model)``)."""
+def _train(make, kind, full, validate=False):
+    """Train STEPS steps; after each, every parameter gathered whole (``full(model)``).
+    ``validate``: before each step a forward without gradients and one with gradients whose
+    output is dropped (prefetches that no backward consumes, kept weights never used)."""
     rank, ws = dist.get_rank(), dist.get_world_size()
     model, after = make(_model(kind, rank))  # each rank its own start: rank 0's must win
     opt, out = _adam(model.parameters()), []
     for step in range(STEPS):
         opt.zero_grad(set_to_none=True)
         x, y = _batch(step, rank, ws)
+        if validate:
+            with torch.no_grad():
+                model(x)
+            model(x)
         nn.functional.mse_loss(model(x).float(), y).backward()
         after(model)
         opt.step()
@@ -109,7 +116,7 @@ def _compare(kind):
     one, ref = _one_process(kind), _train(_reference, kind, _gathered)
     out = {}
     for raf in (True, False):
-        ours = _train(_ours(reshard_after_forward=raf), kind, _gathered)
+        ours = _train(_ours(reshard_after_forward=raf), kind, _gathered, validate=True)
         theirs = _train(_fully_shard(raf), kind, _dtensors)
         out[raf] = {"one": _worst(ours, one), "reference": _worst(ours, ref),
                     "fully_shard": _worst(ours, theirs), "last": ours[-1]}
