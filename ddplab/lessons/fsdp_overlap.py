@@ -21,6 +21,8 @@ timing statistics (benchmarks/fsdp_overlap.py interleaves many steps).
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -52,15 +54,16 @@ def overlap_on_rank(name: str, link: str = "1gbe", width: int = 256, depth: int 
     watch = GroupRecorder(rec, model.parameters())
 
     def step(recorded: bool):
-        watching = watch.watching if recorded else _nothing
-        with watching(), rec.phase("forward") if recorded else _nothing():
+        quiet = contextlib.nullcontext
+        watching = watch.watching if recorded else (lambda phase=None: quiet())
+        phase = rec.phase if recorded else (lambda name: quiet())
+        with watching(), phase("forward"):
             out = built.model(x)
-        with watching(), rec.phase("backward") if recorded else _nothing():
+        with watching(), phase("backward"):
             out.square().mean().backward()
             if built.after_backward is not None:
                 built.after_backward()
-        with watching(phase="step") if recorded else _nothing(), \
-                rec.phase("step") if recorded else _nothing():
+        with watching(phase="step"), phase("step"):
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
 
@@ -76,13 +79,3 @@ def overlap_on_rank(name: str, link: str = "1gbe", width: int = 256, depth: int 
     timeline.meta["simulated_link"] = simulated.describe()
     return {"calls": end["calls"], "timeline": timeline.to_dict()}
 
-
-class _nothing:
-    def __init__(self, *args, **kwargs):
-        pass
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
