@@ -35,8 +35,9 @@ def table(result) -> str:
     sharded = [n for n, m in result.metrics.items()
                if m.get("n_buckets") and m.get("exposed_comm_ms") is None]
     if sharded:
-        lines.append(f"{', '.join(sharded)}: all-gathers in the forward too, each waited for: no "
-                     "exposed/overlap figure; MiB/step is the payload handed to the group")
+        lines.append(f"{', '.join(sharded)}: all-gathers in the forward too: the "
+                     "exposed/overlap figure (comm after backward) would mislead, none is given; "
+                     "MiB/step is the payload handed to the group")
     drawn = [n for n, m in result.metrics.items() if m.get("comm_path") == "observing process group"]
     if drawn:
         lines.append(f"drawn from the observing process group: {', '.join(drawn)}")

@@ -345,3 +345,13 @@ def _torch_fsdp2(module):
         if isinstance(m, (nn.Linear, nn.Embedding)):
             fully_shard(m)
     return fully_shard(module)
+
+
+@register_strategy("fsdp_overlap", shape="buckets")
+def _fsdp_overlap(module, compute_dtype=None, reshard_after_forward=True, process_group=None):
+    """FSDP with overlap: the next layer's all-gather runs under this layer's compute"""
+    from ddplab.sync.fsdp_overlap import OverlapFSDP
+
+    model = OverlapFSDP(module, compute_dtype=compute_dtype, process_group=process_group,
+                        reshard_after_forward=reshard_after_forward)
+    return model, model.finish_gradient_synchronization

@@ -29,9 +29,9 @@ MODULES = {
     1: {"ddplab.netsim": ["", "costmodel", "link", "simulated"]},
     2: {"ddplab.timeline": ["", "clock", "cuda_events", "metrics", "on_group", "op_bytes", "recorder", "records",
                            "trace"]},
-    3: {"ddplab.sync": ["", "bucket", "bucketed", "comm", "comm_hooks", "ddp_trace", "layout", "links", "manual",
-                        "overlap", "registry", "sparse", "sparse_gather", "unused", "unused_policy", "wrapper_duties",
-                        "your_code"],
+    3: {"ddplab.sync": ["", "bucket", "bucketed", "comm", "comm_hooks", "ddp_trace", "fsdp_overlap", "layout", "links",
+                        "manual", "overlap", "registry", "sparse", "sparse_gather", "unused", "unused_policy",
+                        "wrapper_duties", "your_code"],
         "ddplab.sync.core": ["", "average", "bucketed", "fsdp", "overlap", "sharded_optimizer", "zero2"]},
     # the rank processes and their Cluster, and joining a group someone else started: nothing
     # below this level starts ranks
@@ -42,7 +42,7 @@ MODULES = {
                            "recording_fsdp", "recording_gather", "recording_hooks", "recording_layout", "report",
                            "runners", "spec", "sweep", "transformer", "whatif", "workload"]},
     6: {"ddplab.lessons": ["", "checkpoints", "claims", "common", "compression", "data", "firstgroup", "hangs",
-                           "pipeline", "reducer_map", "ring", "sharding", "training", "yourmodel"]},
+                           "fsdp_overlap", "pipeline", "reducer_map", "ring", "sharding", "training", "yourmodel"]},
     7: {"ddplab.widgets": ["", "compare", "demo", "gantt", "html", "live", "memory", "panel", "scaling", "sweep"]},
     8: {"ddplab.checks": ["", "compression", "data", "firstgroup", "fsdp", "graders", "hangs", "mistakes", "on_rank",
                           "pipeline", "reducer_map", "ring", "sharding", "watch", "workload", "yourmodel"]},

@@ -1,0 +1,87 @@
+"""FSDP with prefetch against the reference FSDP and torch's fully_shard, on a simulated link.
+
+    .venv/bin/python benchmarks/fsdp_overlap.py            # 5 runs
+    .venv/bin/python benchmarks/fsdp_overlap.py --runs 7 --steps 20 --link 10gbe
+
+Each run is one ``python -m ddplab compare --world-size 2 --link 1gbe --strategies
+fsdp,fsdp_overlap,torch_fsdp2`` plus ``fsdp_overlap_again`` (registered below: the same
+OverlapFSDP under a second name, the A/A control): a fresh pair of gloo ranks, the four
+strategies' steps interleaved, over a SIMULATED 1 Gb Ethernet link (ddplab.netsim: the real
+collectives run, each all-gather completes no earlier than the link's model says; a
+reduce-scatter is not delayed by it). On such a link an all-gather takes as long as a layer's
+compute, so launching the next one before the current layer computes is what the step time
+shows. Printed: per run, step_ms of each and the ratios; then medians and ranges, with the
+load average before and after. Targets: fsdp_overlap / torch_fsdp2 <= 1.10 and
+fsdp_overlap / fsdp < 1. Figures: docs/benchmarks.md.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+try:
+    from ddplab.sync.registry import register_strategy
+except ImportError:  # run as a script from elsewhere: the ranks load this file by value
+    sys.path.insert(0, str(ROOT))
+    from ddplab.sync.registry import register_strategy
+
+
+@register_strategy("fsdp_overlap_again", shape="buckets")
+def fsdp_overlap_again(module, process_group=None):
+    """ddplab's OverlapFSDP again: the A/A control"""
+    from ddplab.sync.fsdp_overlap import OverlapFSDP
+
+    model = OverlapFSDP(module, process_group=process_group)
+    return model, model.finish_gradient_synchronization
+
+
+def one_run(args, out: Path) -> dict:
+    cmd = [sys.executable, "-m", "ddplab", "compare", "--world-size", "2",
+           "--strategies", "fsdp,fsdp_overlap,torch_fsdp2", "--steps", str(args.steps),
+           "--link", args.link, "--params", str(args.params), "--depth", str(args.depth),
+           "--batch-size", str(args.batch_size),
+           "--strategy", f"{Path(__file__).resolve()}:fsdp_overlap_again", "--json", str(out)]
+    subprocess.run(cmd, cwd=ROOT, check=True, stdout=subprocess.DEVNULL,
+                   env={**os.environ, "PYTHONPATH": str(ROOT)})
+    return json.loads(out.read_text())["strategies"]
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--runs", type=int, default=5)
+    ap.add_argument("--steps", type=int, default=15)
+    ap.add_argument("--link", default="1gbe")
+    ap.add_argument("--params", default="2e6")
+    ap.add_argument("--depth", type=int, default=4)
+    ap.add_argument("--batch-size", type=int, default=32)
+    args = ap.parse_args(argv)
+    print(f"load average before: {os.getloadavg()[0]:.2f}; link {args.link}, "
+          f"{args.params} parameters in {args.depth} layers, batch {args.batch_size}")
+    ratios = {"fsdp_overlap/torch_fsdp2": [], "fsdp_overlap/fsdp": [],
+              "fsdp_overlap_again/fsdp_overlap (A/A)": [], "fsdp/torch_fsdp2": []}
+    with tempfile.TemporaryDirectory() as tmp:
+        for run in range(args.runs):
+            s = one_run(args, Path(tmp) / f"run{run}.json")
+            ms = {k: v["step_ms"] for k, v in s.items()}
+            for name, xs in ratios.items():
+                a, b = name.split(" ")[0].split("/")
+                xs.append(ms[a] / ms[b])
+            print(f"run {run}: " + ", ".join(f"{k} {v:.1f} ms" for k, v in ms.items()) + "; "
+                  + ", ".join(f"{k} {v[-1]:.3f}" for k, v in ratios.items())
+                  + f"; load {os.getloadavg()[0]:.2f}", flush=True)
+    print(f"load average after: {os.getloadavg()[0]:.2f}")
+    for name, xs in ratios.items():
+        print(f"{name} median {statistics.median(xs):.3f} (min {min(xs):.3f}, max {max(xs):.3f})"
+              f" over {args.runs} runs")
+
+
+if __name__ == "__main__":
+    main()
