@@ -284,8 +284,9 @@ def _core_bucketed(module, bucket_cap_mb=None, process_group=None):
     return core.BucketedDDP(module, bucket_cap_mb=bucket_cap_mb, process_group=process_group)
 
 
-# -- compare()'s sharded rows: ZeRO-1 and FSDP, ddplab's references beside torch's ---------------
+# -- compare()'s sharded rows: ZeRO-1, ZeRO-2 and FSDP, ddplab's references beside torch's -------
 # zero1 (torch DDP + ddplab.ShardedOptimizer), torch_zero (torch DDP + ZeroRedundancyOptimizer),
+# zero2 (ddplab's ZeroTwo, no DDP: its step reduce-scatters and all-gathers),
 # fsdp (ddplab.FSDP) and torch_fsdp2 (fully_shard on every Linear and Embedding, then on the
 # model). They use the same plain SGD as every other row, so the optimizer state they hold is zero
 # here (labs 11 and 12 use Adam). ZeRO-1: torch DDP averages the gradients, and the optimizer
@@ -322,6 +323,23 @@ register_strategy("zero1", _zero_rows(_sharded), shape="torch_ddp", time_unrecor
 register_strategy("torch_zero", _zero_rows(_torch_zero_optimizer), shape="torch_ddp",
                   time_unrecorded=True,
                   description="torch DDP + torch's ZeroRedundancyOptimizer (the reference)")
+
+
+@register_strategy("zero2", shape="after_backward_flat")
+def _zero2(module, process_group=None):
+    """ZeRO-2 as the paper has it, no DDP: reduce-scatter the gradients, step a slice, all-gather
+
+    All its traffic is in the optimizer's step (``Built.optimizer``: ddplab.sync.core.zero2's
+    ZeroTwo over plain SGD, like the other rows), and it sends DDP's ring bytes.
+    """
+    def optimizer(params, **kw):
+        import torch
+
+        from ddplab.sync.core.zero2 import ZeroTwo
+
+        return ZeroTwo(params, torch.optim.SGD, process_group=process_group, **kw)
+
+    return Built(module, optimizer=optimizer)
 
 
 # -- sharded data parallel (after DDP): drawn from the observing process group ---------
