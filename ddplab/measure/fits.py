@@ -120,13 +120,14 @@ def activation_bytes(model: nn.Module, example) -> int:
 def predict_memory(model: nn.Module, world_size: int, example, row: str,
                    optimizer_cls=torch.optim.Adam, shard=DEFAULT_SHARD,
                    rank: int = 0) -> dict:
-    """Bytes one rank holds under ``row``: params, grads, optimizer_state, peak."""
+    """Bytes one rank holds under ``row``: params, grads, optimizer_state, peak (``example=None``:
+    no peak, and no forward to size the activations)."""
     if row not in KNOWN:
         raise ValueError(f"row must be one of {', '.join(KNOWN)}, not {row!r}")
     p, params = world_size, list(model.parameters())
     numels = [t.numel() for t in params]
     full = 4 * sum(numels)
-    acts = activation_bytes(model, example)
+    acts = 0 if example is None else activation_bytes(model, example)
     largest = 4 * max(numels)
     if row in ("ddp", "zero1"):
         share = numels if row == "ddp" else _share(numels, p, rank)
@@ -152,7 +153,8 @@ def predict_memory(model: nn.Module, world_size: int, example, row: str,
         # gather, so that a graph that saved them finds them again): four layers at the worst
         # moment, as measured at 1 to 4 ranks (tests/measure/test_fits_more.py)
         extra = max(4 * layer, 4 * max(sharded + replicated))
-    held["peak"] = sum(held.values()) + acts + extra
+    if example is not None:
+        held["peak"] = sum(held.values()) + acts + extra
     return held
 
 
