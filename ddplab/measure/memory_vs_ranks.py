@@ -1,7 +1,7 @@
 """Memory per rank against the number of ranks N: ZeRO's formula, fits' prediction, measured.
 
 Teaches: what each way to train keeps per rank as ranks are added. The ZeRO
-paper (Rajbhandari et al. 2020, section 5.1 and figure 1) counts, for Psi
+paper (Rajbhandari et al. 2020, sections 5.1 to 5.3 and figure 1) counts, for Psi
 parameters trained with Adam in mixed precision, 2 Psi bytes of parameters,
 2 Psi of gradients and K Psi of optimizer state (K = 12: a float32 master
 copy, the momentum and the variance), and divides by N what each stage
@@ -33,7 +33,7 @@ per parameter tensor it steps) is in the prediction, not in the formula.
 Leaves out: the peak (activations and temporaries come on top, and do not
 fall with N: ``fits.predict_memory``'s ``peak``), mixed precision.
 References: Rajbhandari et al., "ZeRO: Memory Optimizations Toward Training
-Trillion Parameter Models" (SC 2020), sections 3 and 5.1, figure 1.
+Trillion Parameter Models" (SC 2020), sections 3 and 5.1 to 5.3, figure 1.
 """
 from __future__ import annotations
 
