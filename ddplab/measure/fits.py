@@ -15,9 +15,11 @@ the step's communication costs. For a model, a world size p and a link:
   float32 copy (counted as state: the paper's K counts the masters). It
   reduce-scatters the gradients and all-gathers the slices: DDP's ring bytes.
 - ``fsdp``: the rank's shard of each sharded weight (ceil(numel/p) elements,
-  padded), of its gradient and of its state; replicated parameters whole. It
-  all-gathers its shard twice (forward and backward) and reduce-scatters the
-  whole (padded) gradient.
+  padded), of its gradient and of its state; replicated parameters whole. The
+  units are ddplab.FSDP's (``unit_owners``: an ``nn.MultiheadAttention`` is one
+  with its ``out_proj``). Per unit it all-gathers its shards twice (forward and
+  backward) and reduce-scatters the whole (padded) gradient; the replicated
+  gradients are all-reduced, after a flag per replicated parameter.
 - peak during the step: what is held, plus the activations the forward saves
   (sized by one forward on this process, no ranks), plus the largest
   temporary: the optimizer's (Adam makes one tensor the size of a parameter)
@@ -56,6 +58,7 @@ import torch
 from torch import nn
 
 from ddplab.netsim.link import LinkModel
+from ddplab.sync.core.fsdp import DEFAULT_SHARD, unit_owners
 
 ROWS = ("ddp", "zero1", "fsdp")
 KNOWN = (*ROWS, "zero2")  # zero2: ddplab.sync.core.zero2, the paper's stage 2 (asked for by name)
@@ -82,6 +85,21 @@ def _share(numels, world_size, rank) -> list:
     return mine[rank]
 
 
+def units(model: nn.Module, shard=DEFAULT_SHARD) -> tuple:
+    """The sizes of each FSDP unit's parameters, one list per unit (ddplab.FSDP's units:
+    ``unit_owners``, so an ``nn.MultiheadAttention`` is one unit with its ``out_proj``), and
+    of the parameters outside every unit (replicated)."""
+    owners, by_unit, seen = unit_owners(model, shard), {}, set()
+    for name, m in model.named_modules():
+        for q in m.parameters(recurse=False):
+            if id(q) not in seen:  # a weight tied within a unit counts once
+                seen.add(id(q))
+                unit = owners[name]
+                by_unit.setdefault(None if unit is None else id(unit), []).append(q.numel())
+    replicated = by_unit.pop(None, [])
+    return list(by_unit.values()), replicated
+
+
 def activation_bytes(model: nn.Module, example) -> int:
     """Bytes of the outputs of the model's leaf modules in one forward (what autograd saves,
     about), and of the input: one forward on this process, no ranks."""
@@ -100,15 +118,16 @@ def activation_bytes(model: nn.Module, example) -> int:
 
 
 def predict_memory(model: nn.Module, world_size: int, example, row: str,
-                   optimizer_cls=torch.optim.Adam, shard=(nn.Linear, nn.Embedding),
+                   optimizer_cls=torch.optim.Adam, shard=DEFAULT_SHARD,
                    rank: int = 0) -> dict:
-    """Bytes one rank holds under ``row``: params, grads, optimizer_state, peak."""
+    """Bytes one rank holds under ``row``: params, grads, optimizer_state, peak (``example=None``:
+    no peak, and no forward to size the activations)."""
     if row not in KNOWN:
         raise ValueError(f"row must be one of {', '.join(KNOWN)}, not {row!r}")
     p, params = world_size, list(model.parameters())
     numels = [t.numel() for t in params]
     full = 4 * sum(numels)
-    acts = activation_bytes(model, example)
+    acts = 0 if example is None else activation_bytes(model, example)
     largest = 4 * max(numels)
     if row in ("ddp", "zero1"):
         share = numels if row == "ddp" else _share(numels, p, rank)
@@ -123,27 +142,23 @@ def predict_memory(model: nn.Module, world_size: int, example, row: str,
         # their flat padded copy and the gathered parameters
         extra = max(acts + full, 2 * full + 4 * n * p) - acts - 4 * n
     else:
-        units = [[q.numel() for q in m.parameters(recurse=False)]
-                 for m in model.modules() if isinstance(m, shard)]
-        sharded = [-(-n // p) for unit in units for n in unit]
-        sharded_ids = {id(q) for m in model.modules() if isinstance(m, shard)
-                       for q in m.parameters(recurse=False)}
-        replicated = [q.numel() for q in params if id(q) not in sharded_ids]
+        unit_sizes, replicated = units(model, shard)
+        sharded = [-(-n // p) for unit in unit_sizes for n in unit]
         mine = 4 * (sum(sharded) + sum(replicated))
         held = {"params": mine, "grads": mine,
                 "optimizer_state": _state(sharded + replicated, optimizer_cls)}
-        layer = max((4 * sum(unit) for unit in units), default=0)
+        layer = max((4 * sum(unit) for unit in unit_sizes), default=0)
         # a layer gathered whole, its full gradient and the padded copy it reduce-scatters, and
         # the layer's full weights FSDP keeps from call to call (their storage refilled at each
         # gather, so that a graph that saved them finds them again): four layers at the worst
         # moment, as measured at 1 to 4 ranks (tests/measure/test_fits_more.py)
         extra = max(4 * layer, 4 * max(sharded + replicated))
-    held["peak"] = sum(held.values()) + acts + extra
+    if example is not None:
+        held["peak"] = sum(held.values()) + acts + extra
     return held
 
 
-def predict_bytes(model: nn.Module, world_size: int, row: str,
-                  shard=(nn.Linear, nn.Embedding)) -> dict:
+def predict_bytes(model: nn.Module, world_size: int, row: str, shard=DEFAULT_SHARD) -> dict:
     """Bytes one rank hands the group per step, by collective (as memory.measure counts)."""
     p, full = world_size, 4 * sum(t.numel() for t in model.parameters())
     if row == "ddp":
@@ -153,19 +168,21 @@ def predict_bytes(model: nn.Module, world_size: int, row: str,
     if row == "zero2":  # the whole padded gradient in, this rank's slice out to the gather
         n = -(-full // 4 // p)
         return {"reduce_scatter_tensor": 4 * n * p, "all_gather_into_tensor": 4 * n}
-    units = [q.numel() for m in model.modules() if isinstance(m, shard)
-             for q in m.parameters(recurse=False)]
-    out = {"all_gather_into_tensor": 2 * 4 * sum(-(-n // p) for n in units),
-           "reduce_scatter_tensor": 4 * sum(-(-n // p) * p for n in units)}
-    rest = full - 4 * sum(units)
-    return {**out, "all_reduce": rest} if rest else out
+    unit_sizes, replicated = units(model, shard)
+    sharded = [n for unit in unit_sizes for n in unit]
+    out = {"all_gather_into_tensor": 2 * 4 * sum(-(-n // p) for n in sharded),
+           "reduce_scatter_tensor": 4 * sum(-(-n // p) * p for n in sharded)}
+    # the replicated gradients, after a flag per replicated parameter: which ones any rank has
+    rest = full - 4 * sum(sharded) + 4 * len(replicated)
+    return {**out, "all_reduce": rest} if replicated else out
 
 
 def predict_calls(model: nn.Module, world_size: int, row: str,
-                  shard=(nn.Linear, nn.Embedding), bucket_cap_mb: float = 25) -> list:
+                  shard=DEFAULT_SHARD, bucket_cap_mb: float = 25) -> list:
     """The step's collectives as (op, full bytes): DDP's buckets (gradients in order, cut at
     the cap), ShardedOptimizer's broadcast per parameter, FSDP's two all-gathers and one
-    reduce-scatter per layer and an all-reduce per replicated parameter."""
+    reduce-scatter per layer, an all-reduce of one flag per replicated parameter (which ones a
+    rank has a gradient for) and an all-reduce per replicated parameter."""
     p, params = world_size, list(model.parameters())
     if row in ("ddp", "zero1"):
         full, cap = 4 * sum(t.numel() for t in params), bucket_cap_mb * 2 ** 20
@@ -175,14 +192,12 @@ def predict_calls(model: nn.Module, world_size: int, row: str,
     if row == "zero2":
         padded = 4 * -(-sum(t.numel() for t in params) // p) * p
         return [("reduce_scatter", padded), ("all_gather", padded)]
-    calls, ids = [], set()
-    for m in model.modules():
-        if isinstance(m, shard):
-            unit = list(m.parameters(recurse=False))
-            ids |= {id(t) for t in unit}
-            padded = 4 * sum(-(-t.numel() // p) * p for t in unit)
-            calls += [("all_gather", padded)] * 2 + [("reduce_scatter", padded)]
-    return calls + [("all_reduce", 4 * t.numel()) for t in params if id(t) not in ids]
+    calls, (unit_sizes, replicated) = [], units(model, shard)
+    for unit in unit_sizes:
+        padded = 4 * sum(-(-n // p) * p for n in unit)
+        calls += [("all_gather", padded)] * 2 + [("reduce_scatter", padded)]
+    flags = [("all_reduce", 4 * len(replicated))] if replicated else []  # which have gradients
+    return calls + flags + [("all_reduce", 4 * n) for n in replicated]
 
 
 HALF = {"all_gather", "reduce_scatter", "broadcast"}  # half an all-reduce's steps and bytes

@@ -151,12 +151,9 @@ def _fsdp(model, optimizer_cls, **kwargs):
 
 
 def _torch_fsdp2(model, optimizer_cls, **kwargs):
-    from torch.distributed.fsdp import fully_shard
+    from ddplab.sync.registry import build_strategy
 
-    for m in list(model.modules()):  # as the torch_fsdp2 strategy row: each layer a unit
-        if isinstance(m, (torch.nn.Linear, torch.nn.Embedding)):
-            fully_shard(m)
-    fully_shard(model)
+    model = build_strategy("torch_fsdp2", model).model  # the strategy row's units
     return model, optimizer_cls(model.parameters(), **kwargs)
 
 

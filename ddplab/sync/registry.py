@@ -284,9 +284,10 @@ def _core_bucketed(module, bucket_cap_mb=None, process_group=None):
     return core.BucketedDDP(module, bucket_cap_mb=bucket_cap_mb, process_group=process_group)
 
 
-# -- compare()'s sharded rows: ZeRO-1 and FSDP, ddplab's references beside torch's ---------------
+# -- compare()'s sharded rows: ZeRO-1, ZeRO-2 and FSDP, ddplab's references beside torch's -------
 # zero1 (torch DDP + ddplab.ShardedOptimizer), torch_zero (torch DDP + ZeroRedundancyOptimizer),
-# fsdp (ddplab.FSDP) and torch_fsdp2 (fully_shard on every Linear and Embedding, then on the
+# zero2 (ddplab's ZeroTwo, no DDP: its step reduce-scatters and all-gathers),
+# fsdp (ddplab.FSDP) and torch_fsdp2 (fully_shard on the units ddplab.FSDP makes, then on the
 # model). They use the same plain SGD as every other row, so the optimizer state they hold is zero
 # here (labs 11 and 12 use Adam). ZeRO-1: torch DDP averages the gradients, and the optimizer
 # keeps the state of each rank's share, steps it and broadcasts it; compare counts the broadcasts
@@ -324,6 +325,23 @@ register_strategy("torch_zero", _zero_rows(_torch_zero_optimizer), shape="torch_
                   description="torch DDP + torch's ZeroRedundancyOptimizer (the reference)")
 
 
+@register_strategy("zero2", shape="after_backward_flat")
+def _zero2(module, process_group=None):
+    """ZeRO-2 as the paper has it, no DDP: reduce-scatter the gradients, step a slice, all-gather
+
+    All its traffic is in the optimizer's step (``Built.optimizer``: ddplab.sync.core.zero2's
+    ZeroTwo over plain SGD, like the other rows), and it sends DDP's ring bytes.
+    """
+    def optimizer(params, **kw):
+        import torch
+
+        from ddplab.sync.core.zero2 import ZeroTwo
+
+        return ZeroTwo(params, torch.optim.SGD, process_group=process_group, **kw)
+
+    return Built(module, optimizer=optimizer)
+
+
 # -- sharded data parallel (after DDP): drawn from the observing process group ---------
 
 @register_strategy("fsdp", shape="buckets")
@@ -337,12 +355,21 @@ def _fsdp(module, compute_dtype=None, process_group=None):
 
 @register_strategy("torch_fsdp2", shape="buckets")
 def _torch_fsdp2(module):
-    """torch's fully_shard on every nn.Linear and nn.Embedding, then on the model"""
-    from torch import nn
+    """torch's fully_shard on each unit ddplab's FSDP makes (Linear, Embedding, MultiheadAttention), then on the model
+
+    An ``nn.MultiheadAttention`` is one unit with its ``out_proj``: its forward hands
+    ``out_proj.weight`` to ``F.multi_head_attention_forward`` without calling ``out_proj``, so
+    ``fully_shard(out_proj)``'s hooks would never gather it (the forward then meets a sharded
+    DTensor beside plain tensors and raises). Parameters outside every unit (a LayerNorm's)
+    are left to ``fully_shard(model)``, the root, which shards them too.
+    """
     from torch.distributed.fsdp import fully_shard
 
-    for m in list(module.modules()):
-        if isinstance(m, (nn.Linear, nn.Embedding)):
+    from ddplab.sync.core.fsdp import unit_owners
+
+    units = {id(u) for u in unit_owners(module).values() if u is not None and u is not module}
+    for m in reversed(list(module.modules())):  # inner units first, as fully_shard expects
+        if id(m) in units:
             fully_shard(m)
     return fully_shard(module)
 

@@ -64,3 +64,35 @@ def memory_table(results) -> str:
         lines.append(f"{row:<12}{ws:>6}" + "".join(
             f"{r[f] / MB:>9.2f}" for f in ("params", "grads", "optimizer_state", "peak")))
     return "\n".join(lines)
+
+
+ROW_COLOURS = {"ddp": "#2b6cb0", "zero1": "#ed8936", "zero2": "#2ca02c", "fsdp": "#9f7aea"}
+ROW_NAMES = {"ddp": "DDP", "zero1": "ZeRO-1 (whole parameters dealt)", "zero2": "ZeRO-2 (even slices)",
+             "fsdp": "ZeRO-3 / FSDP"}
+
+
+def memory_vs_ranks_figure(curve: dict, measured: dict | None = None,
+                           title="Memory per rank against the number of ranks", height=460):
+    """``curve`` (``ddplab.measure.memory_vs_ranks.curve``): per row, fits' prediction (solid,
+    the largest rank) and ZeRO's formula (dotted); ``measured`` (``largest_held``): the
+    measured points, ``{(row, world size): bytes}``. Parameters + gradients + optimizer state."""
+    fig = go.Figure()
+    ns = curve["world_sizes"]
+    for row, values in curve["predicted"].items():
+        colour = ROW_COLOURS.get(row, "#555")
+        fig.add_trace(go.Scatter(x=ns, y=[v / MB for v in values], mode="lines+markers",
+                                 name=f"{ROW_NAMES.get(row, row)}: predicted", legendgroup=row,
+                                 line=dict(color=colour)))
+        fig.add_trace(go.Scatter(x=ns, y=[v / MB for v in curve["formula"][row]], mode="lines",
+                                 name="formula", legendgroup=row, showlegend=row == "ddp",
+                                 line=dict(color=colour, dash="dot")))
+        points = sorted((n, b) for (r, n), b in (measured or {}).items() if r == row)
+        if points:
+            fig.add_trace(go.Scatter(x=[n for n, _ in points], y=[b / MB for _, b in points],
+                                     mode="markers", name=f"{row}: measured", legendgroup=row,
+                                     marker=dict(color=colour, size=13, symbol="circle-open",
+                                                 line=dict(width=2))))
+    fig.update_layout(title=title, height=height, xaxis_title="ranks N",
+                      yaxis_title="parameters + gradients + optimizer state per rank (MiB)",
+                      xaxis=dict(dtick=1), legend=dict(groupclick="toggleitem"))
+    return fig

@@ -105,6 +105,20 @@ DEFAULT_SHARD = (nn.Linear, nn.Embedding, nn.MultiheadAttention)
 _READS_CHILDREN = (nn.MultiheadAttention,)
 
 
+def unit_owners(module: nn.Module, shard=DEFAULT_SHARD) -> dict:
+    """Each submodule's name -> the unit that gathers its own parameters (None: no unit, so they
+    are replicated). A module of a ``shard`` class is a unit and owns its submodules that are no
+    units themselves; a ``shard`` module inside one that reads its children's weights without
+    calling them (``nn.MultiheadAttention``'s ``out_proj``) belongs to that one's unit.
+    The registry's ``torch_fsdp2`` row and ``ddplab.measure.fits`` take their units from here."""
+    owner = {}
+    for name, m in module.named_modules():
+        parent = owner.get(name.rpartition(".")[0]) if name else None
+        inside = isinstance(parent, _READS_CHILDREN)  # it reads its children's weights
+        owner[name] = m if isinstance(m, shard) and not inside else parent
+    return owner
+
+
 class FSDP(nn.Module):
     def __init__(self, module: nn.Module, compute_dtype=None, shard=DEFAULT_SHARD,
                  process_group=None, **unsupported):
@@ -145,11 +159,8 @@ class FSDP(nn.Module):
     def _shard(self, module, classes):
         """A module of a ``shard`` class is a unit: it owns its parameters and those of its
         submodules that are no units themselves. Each owned weight is replaced by its shard."""
-        owner, uses, sharded, by_id, outside = {}, {}, {}, {}, {}
+        owner, uses, sharded, by_id, outside = unit_owners(module, classes), {}, {}, {}, {}
         for name, m in module.named_modules():
-            parent = owner.get(name.rpartition(".")[0]) if name else None
-            inside = isinstance(parent, _READS_CHILDREN)  # it reads its children's weights
-            owner[name] = m if isinstance(m, classes) and not inside else parent
             for pname, p in m.named_parameters(recurse=False):
                 fqn = f"{name}.{pname}" if name else pname
                 if owner[name] is None:
