@@ -19,8 +19,10 @@ Starting a server is CPU work (jupyter_server, JupyterLab and nbgrader import fo
 CPU each): ten at once on 2 busy cores all missed the hub's 120 s ``http_timeout`` together, and
 the class had no server at all (measured: docs/classroom.md). So the hub starts as many at once
 as the machine has CPUs, at least 2 (``concurrent_spawn_limit``); a learner beyond that gets
-JupyterHub's 429 "Too many users trying to log in right now. Try again in 10 seconds." and tries
-again, as the class's error page explains (``spawn_throttle_retry_range``: 10 to 30 s).
+JupyterHub's 429 "Too many users trying to log in right now. Try again in 40 seconds." and tries
+again, as the class's error page explains. (The wait is drawn from JupyterHub's
+``spawn_throttle_retry_range``, 30 to 60 s, about one server's start here; in JupyterHub 6.1.1 that
+trait is not configurable: it lacks ``config=True``.)
 
 What a learner uses is measured, not guessed: ``make load-test`` (tools/class_load.py) logs N
 learners in at once through the proxy, starts their servers, runs lab 00's first cell in each
@@ -28,6 +30,14 @@ on 2 gloo ranks and records each learner's cgroup peak and the times. :data:`MEA
 figures measured on the machine named in it; ``--plan`` shows them next to the live machine's
 memory and cores. CPUs are not a limit here (every learner's ranks still run, slower): the
 measured first-cell times say how much slower.
+
+CPU time has a trap of its own in cgroup v1: a group competes with each process beside it as ONE
+entity of weight ``cpu.shares`` (1024, a plain process's weight). A class's learners all sit in
+``ddplab/<class>/``, so under load from 20 processes outside it the whole class got the CPU of
+one of them, about a tenth of a core here: servers missed the hub's timeout and lab 00's ranks
+did not start (measured: docs/classroom.md). :func:`weigh_class` gives the class's groups the
+weight of as many processes as the class has servers; each learner's quota (``--threads``) still
+caps what one learner takes.
 
 Leaves out: GPUs (seats say who gets one: :mod:`ddplab.course.seats`), disk, swap (a machine
 that swaps is slow for everyone, and the limits here do not count it).
@@ -39,7 +49,10 @@ from __future__ import annotations
 
 import math
 import os
+import pathlib
 from dataclasses import dataclass
+
+from ddplab.course import limits
 
 # The system, the hub, the proxy, the idle culler and the instructor's unlimited server.
 HEADROOM_GIB = 3.0
@@ -78,6 +91,23 @@ def server_limit(mem_gib: float, total_gib: float, headroom_gib: float = HEADROO
         raise ValueError(f"this machine's {total_gib:.1f} GiB, less {headroom_gib:g} GiB for the system and the "
                          f"hub, hold no learner at --mem-gib {mem_gib:g}: give a smaller --mem-gib")
     return fits
+
+
+SHARES = 1024          # cgroup v1's cpu.shares of a group, and a plain process's weight
+SHARES_MAX = 262144    # the kernel's largest cpu.shares
+
+
+def weigh_class(cls: str, servers: int, base: pathlib.Path = limits.BASE) -> list[pathlib.Path]:
+    """The class's cpu groups (ddplab/ and ddplab/<cls>/) weighed as ``servers`` processes, never
+    less than they are (ddplab/ may hold other classes); returns the files written."""
+    wanted = min(SHARES_MAX, SHARES * max(1, servers))
+    written = []
+    for level in (base / "cpu" / "ddplab", base / "cpu" / "ddplab" / cls):
+        shares = level / "cpu.shares"
+        if shares.exists() and int(shares.read_text()) < wanted:
+            shares.write_text(str(wanted))
+            written.append(shares)
+    return written
 
 
 def spawn_limit(cpus: int) -> int:

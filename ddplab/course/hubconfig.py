@@ -233,6 +233,8 @@ def render(*, folder: str, learners: list[str], admin: str, gpus_per_learner: in
         lines += [
             "    if spawner.user.name != INSTRUCTOR and CGROUPS:",
             f"        limits.prepare(CLASS, spawner.user.name, MEMORY, {threads}, seat.cpus)",
+            "        # the class weighs as many processes as it has servers, not as one (capacity.py)",
+            f"        capacity.weigh_class(CLASS, {max_servers or len(learners)})",
         ]
     lines += [
         "    if spawner.user.name == INSTRUCTOR:  # Formgrader wants the course inside the server's root",
@@ -276,9 +278,8 @@ def full_class_lines(max_servers: int | None, spawns: int = 2) -> list[str]:
         "# gets JupyterHub's 429 page, which templates/error.html completes with what to do.",
         f"c.JupyterHub.active_server_limit = {max_servers}",
         "# Starting a server is seconds of CPU: all at once, on few cores, they all miss http_timeout.",
-        "# One start per CPU at a time; the others read 'Try again in 10 seconds' (429) and do.",
+        "# One start per CPU at a time; the others read 'Try again in 30-60 seconds' (429) and do.",
         f"c.JupyterHub.concurrent_spawn_limit = {spawns}",
-        "c.JupyterHub.spawn_throttle_retry_range = (10, 30)",
         "c.JupyterHub.template_paths = [str(HERE / 'templates')]",
         "",
     ]
@@ -289,7 +290,7 @@ def limited_spawner_lines(mem_gib: float, threads: int) -> list[str]:
     return [
         "from jupyterhub.spawner import LocalProcessSpawner",
         "",
-        "from ddplab.course import limits",
+        "from ddplab.course import capacity, limits",
         "",
         "CLASS = limits.class_name(HERE)",
         f"MEMORY = int({mem_gib!r} * 2**30)",

@@ -130,7 +130,7 @@ def test_the_full_page_extends_jupyterhubs_own_and_speaks_only_for_the_active_se
         status_code=429, message="Active user limit exceeded. Try again in a few minutes.")
     assert "Active user limit exceeded" in full and "<strong>The class is full</strong>: 20 servers" in full
     assert "1 GiB of memory for each learner" in full and "--max-learners" in full and "--plan" in full
-    busy = "Too many users trying to log in right now. Try again in 10 seconds."
+    busy = "Too many users trying to log in right now. Try again in 40 seconds."
     starting = env.get_template("error.html").render(status_code=429, message=busy)
     assert busy in starting and "starts 2 learners' servers at a time" in starting
     assert "The class is full" not in starting
@@ -152,3 +152,22 @@ def test_plan_on_the_command_line_needs_no_folder_and_writes_nothing(tmp_path):
                              capture_output=True, text=True, cwd=tmp_path, timeout=120,
                              env={"PYTHONPATH": ROOT, "PATH": "/usr/bin:/bin"})
     assert missing.returncode == 2 and "FOLDER is needed" in missing.stderr, missing.stderr
+
+
+def test_the_class_weighs_as_many_processes_as_it_has_servers_never_less(tmp_path):
+    class_level = tmp_path / "cpu" / "ddplab" / "class-x"
+    class_level.mkdir(parents=True)
+    for level in (class_level.parent, class_level):
+        (level / "cpu.shares").write_text("1024\n")  # the kernel's default: the class as one process
+    written = capacity.weigh_class("class-x", 13, base=tmp_path)
+    assert len(written) == 2
+    assert [int((lvl / "cpu.shares").read_text()) for lvl in (class_level.parent, class_level)] == [13312, 13312]
+    capacity.weigh_class("class-x", 2, base=tmp_path)  # another, smaller class: ddplab/ keeps the larger
+    assert int((class_level.parent / "cpu.shares").read_text()) == 13312
+    assert capacity.weigh_class("class-x", 10**6, base=tmp_path) and \
+        int((class_level / "cpu.shares").read_text()) == capacity.SHARES_MAX
+    assert capacity.weigh_class("no-such-class", 5, base=tmp_path / "none") == []  # no cgroup v1 cpu here
+    text = hubconfig.render(folder="/srv/class", learners=["ann", "bob"], admin="t", gpus_per_learner=0,
+                            threads=1, mem_gib=1.0, spawner="local", trusted=False, ip="127.0.0.1", port=8000,
+                            proxy_cmd="/opt/chp", idle_timeout=600, max_servers=7)
+    assert "        capacity.weigh_class(CLASS, 7)\n" in text
