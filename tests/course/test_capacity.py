@@ -171,3 +171,10 @@ def test_the_class_weighs_as_many_processes_as_it_has_servers_never_less(tmp_pat
                             threads=1, mem_gib=1.0, spawner="local", trusted=False, ip="127.0.0.1", port=8000,
                             proxy_cmd="/opt/chp", idle_timeout=600, max_servers=7)
     assert "        capacity.weigh_class(CLASS, 7)\n" in text
+
+
+def test_a_whole_class_behind_one_address_may_log_in_at_once():
+    # every log-in counts as failed until PAM answers: the address limit must hold the whole class
+    assert classroom.login_limits(args_for(), 31) == (5, 41, 120.0)
+    assert classroom.login_limits(args_for(login_address_failures=3), 31) == (5, 3, 120.0)
+    assert classroom.login_limits(args_for(login_address_failures=0), 31)[1] == 0  # no limit, as asked
