@@ -493,6 +493,18 @@ def one_class(n: int, args, out: pathlib.Path) -> dict:
     return room.report(left, error)
 
 
+def row(r: dict) -> dict:
+    """One run as a row of ddplab/course/capacity.py's MEASURED (what --plan shows)."""
+    out = {"n": r["n"], "started": r["started"], "refused": r["refused"], "failures": r["failures"],
+           "peak_mib_median": r["peak_mib"]["median"], "peak_mib_max": r["peak_mib_max"],
+           "load": round(r["load_start"], 1)}
+    for key in ("login", "spawn", "first_cell"):
+        for stat in ("median", "p95"):
+            value = r["times"][key][stat]
+            out[f"{key}_{stat}"] = None if value is None else round(value, 1)
+    return out
+
+
 def table(results: list[dict]) -> str:
     def pair(d):
         return "-" if d["median"] is None else f"{d['median']:.0f}/{d['p95']:.0f}"
@@ -550,6 +562,7 @@ def main(argv=None) -> int:
                   "started", file=sys.stderr)
             break
     (out / "class-load.json").write_text(json.dumps(results, indent=1) + "\n")
+    (out / "measured.json").write_text(json.dumps([row(r) for r in results], indent=1) + "\n")
     print(f"\n{table(results)}\n(times: median/95th percentile; peak: median/largest learner's cgroup peak; "
           f"JSON in {out})")
     ok = all(r["failures"] == 0 and r["nothing_left"] and not r["error"] for r in results)

@@ -61,7 +61,19 @@ HEADROOM_GIB = 3.0
 # one row per N: servers started, refused ("the class is full"), failures, medians and 95th
 # percentiles in seconds, each learner's cgroup memory peak (MiB, median and largest) and the
 # machine's 1-minute load average when the run started (other jobs share this machine).
-MEASURED: dict = {"machine": "", "date": "", "mem_gib": 0.0, "threads": 1, "runs": []}
+MEASURED: dict = {
+    "machine": "a 2-core, 24 GiB machine without GPU, shared with other jobs (load 15-23 on its own)",
+    "date": "2026-11-28", "mem_gib": 3.0, "threads": 1, "runs": [
+        {"n": 10, "started": 6, "refused": 4, "failures": 0, "peak_mib_median": 721, "peak_mib_max": 724,
+         "load": 20.9, "login_median": 11.7, "login_p95": 13.2, "spawn_median": 66.7, "spawn_p95": 105.2,
+         "first_cell_median": 18.6, "first_cell_p95": 26.9},
+        {"n": 20, "started": 6, "refused": 14, "failures": 0, "peak_mib_median": 722, "peak_mib_max": 722,
+         "load": 23.0, "login_median": 9.3, "login_p95": 12.2, "spawn_median": 60.7, "spawn_p95": 99.0,
+         "first_cell_median": 22.3, "first_cell_p95": 27.4},
+        {"n": 30, "started": 6, "refused": 24, "failures": 0, "peak_mib_median": 721, "peak_mib_max": 723,
+         "load": 15.3, "login_median": 23.2, "login_p95": 29.8, "spawn_median": 74.7, "spawn_p95": 120.2,
+         "first_cell_median": 32.0, "first_cell_p95": 39.3},
+    ]}
 
 
 @dataclass(frozen=True)
@@ -182,7 +194,8 @@ def describe(p: dict) -> list[str]:
     if p["nearest"]:
         r = p["nearest"]
         lines.append(f"at {r['started']} learners there, lab 00's first cell took {r['first_cell_median']:.0f} s "
-                     f"(median; 95th percentile {r['first_cell_p95']:.0f} s)")
+                     f"(median; 95th percentile {r['first_cell_p95']:.0f} s)"
+                     + (f"; {p['limit']} at once were not measured" if r["started"] < p["limit"] else ""))
     if p["suggested_mem_gib"] and p["suggested_mem_gib"] < p["mem_gib"]:
         lines.append(f"lab 00 peaked at {max(r['peak_mib_max'] for r in m['runs']):.0f} MiB per learner there: "
                      f"--mem-gib {p['suggested_mem_gib']:g} (1.5 times that) holds {p['limit_at_suggested']} "
