@@ -15,6 +15,7 @@ server counts as one of the class's). The hub is told this number as JupyterHub'
 ``active_server_limit``: the next learner to start a server gets JupyterHub's 429 page,
 which the class's ``templates/error.html`` completes with "The class is full" and the
 instructor's options, instead of a server that takes memory from the others.
+
 Starting a server is CPU work (jupyter_server, JupyterLab and nbgrader import for seconds of
 CPU each): ten at once on 2 busy cores all missed the hub's 120 s ``http_timeout`` together, and
 the class had no server at all (measured: docs/classroom.md). So the hub starts as many at once
@@ -28,8 +29,8 @@ What a learner uses is measured, not guessed: ``make load-test`` (tools/class_lo
 learners in at once through the proxy, starts their servers, runs lab 00's first cell in each
 on 2 gloo ranks and records each learner's cgroup peak and the times. :data:`MEASURED` keeps the
 figures measured on the machine named in it; ``--plan`` shows them next to the live machine's
-memory and cores. CPUs are not a limit here (every learner's ranks still run, slower): the
-measured first-cell times say how much slower.
+memory and cores. CPUs do not set the class's size (with the two CPU settings here, every
+learner's ranks run, only slower): the measured first-cell times say how much slower.
 
 CPU time has a trap of its own in cgroup v1: a group competes with each process beside it as ONE
 entity of weight ``cpu.shares`` (1024, a plain process's weight). A class's learners all sit in
@@ -43,7 +44,8 @@ Leaves out: GPUs (seats say who gets one: :mod:`ddplab.course.seats`), disk, swa
 that swaps is slow for everyone, and the limits here do not count it).
 References: JupyterHub's ``active_server_limit`` and ``concurrent_spawn_limit``
 (jupyterhub/app.py, handlers/base.py ``spawn_single_user``); the kernel's cgroup-v1
-memory.txt (limits, OOM per group); proc(5) for /proc/meminfo.
+memory.txt (limits, OOM per group) and the scheduler's sched-design-CFS ("group scheduler
+extensions": cpu.shares); proc(5) for /proc/meminfo.
 """
 from __future__ import annotations
 
