@@ -141,6 +141,7 @@ def test_the_full_page_extends_jupyterhubs_own_and_speaks_only_for_the_active_se
         assert "The class is full" not in other and "at a time" not in other
 
 
+@pytest.mark.more  # two `python -m ddplab` processes: 2-3 s quiet, 20 s on a busy machine
 def test_plan_on_the_command_line_needs_no_folder_and_writes_nothing(tmp_path):
     done = subprocess.run([sys.executable, "-m", "ddplab", "classroom", "--plan", "--mem-gib", "1.5",
                            "--threads", "1"], capture_output=True, text=True, cwd=tmp_path, timeout=120,
@@ -180,3 +181,13 @@ def test_a_whole_class_behind_one_address_may_log_in_at_once():
     assert classroom.login_limits(args_for(), 31) == (5, 41, 120.0)
     assert classroom.login_limits(args_for(login_address_failures=3), 31) == (5, 3, 120.0)
     assert classroom.login_limits(args_for(login_address_failures=0), 31)[1] == 0  # no limit, as asked
+
+
+def test_the_instructors_readme_says_the_class_size_and_when_the_roster_is_larger():
+    from ddplab.course.classroom_readme import full_line
+
+    assert "At most 6 servers at once" in full_line(["a"] * 5, argparse.Namespace(max_servers=6))
+    assert "The class is full" not in full_line(["a"] * 5, argparse.Namespace(max_servers=6))  # 6 accounts fit
+    six = argparse.Namespace(max_servers=6)
+    assert "7 accounts (the roster and you) are more than that" in full_line(["a"] * 6, six)
+    assert "Slurm" in full_line(["a"], argparse.Namespace(max_servers=None))
