@@ -64,7 +64,7 @@ HEADROOM_GIB = 3.0
 # percentiles in seconds, each learner's cgroup memory peak (MiB, median and largest) and the
 # machine's 1-minute load average when the run started (other jobs share this machine).
 MEASURED: dict = {
-    "machine": "a 2-core, 24 GiB machine without GPU, shared with other jobs (load 15-23 on its own)",
+    "machine": "a 2-core, 24 GiB machine without GPU, shared with other jobs (load 8-23 on its own)",
     "date": "2026-11-28", "mem_gib": 3.0, "threads": 1, "runs": [
         {"n": 10, "started": 6, "refused": 4, "failures": 0, "peak_mib_median": 721, "peak_mib_max": 724,
          "load": 20.9, "login_median": 11.7, "login_p95": 13.2, "spawn_median": 66.7, "spawn_p95": 105.2,
@@ -75,6 +75,10 @@ MEASURED: dict = {
         {"n": 30, "started": 6, "refused": 24, "failures": 0, "peak_mib_median": 721, "peak_mib_max": 723,
          "load": 15.3, "login_median": 23.2, "login_p95": 29.8, "spawn_median": 74.7, "spawn_p95": 120.2,
          "first_cell_median": 32.0, "first_cell_p95": 39.3},
+        # at the --mem-gib that --plan suggests from the rows above: a class of 16
+        {"n": 20, "mem_gib": 1.25, "started": 16, "refused": 4, "failures": 0, "peak_mib_median": 722,
+         "peak_mib_max": 723, "load": 7.7, "login_median": 12.2, "login_p95": 16.7, "spawn_median": 116.6,
+         "spawn_p95": 205.2, "first_cell_median": 12.3, "first_cell_p95": 25.6},
     ]}
 
 
@@ -186,11 +190,12 @@ def describe(p: dict) -> list[str]:
     if not m.get("runs"):
         lines.append("no measured figures stored: run `make load-test N=\"10 20 30\"` on this machine")
         return lines
-    lines.append(f"measured on {m['machine']} ({m['date']}, --mem-gib {m['mem_gib']:g}, "
-                 f"--threads {m['threads']}; lab 00's first cell on 2 gloo ranks per learner):")
-    lines.append("    N  served  full  failed  log-in s  start s  first cell s  peak MiB/learner  load")
+    lines.append(f"measured on {m['machine']} ({m['date']}, --threads {m['threads']}; lab 00's first cell "
+                 "on 2 gloo ranks per learner; GiB each: --mem-gib):")
+    lines.append("    N  GiB each  served  full  failed  log-in s  start s  first cell s  peak MiB/learner  load")
     for r in m["runs"]:
-        lines.append(f"  {r['n']:3d}  {r['started']:6d}  {r['refused']:4d}  {r['failures']:6d}  "
+        lines.append(f"  {r['n']:3d}  {r.get('mem_gib', m['mem_gib']):8g}  {r['started']:6d}  {r['refused']:4d}  "
+                     f"{r['failures']:6d}  "
                      f"{_pair(r, 'login')}  {_pair(r, 'spawn')}  {_pair(r, 'first_cell', 12)}  "
                      f"{r['peak_mib_median']:7.0f} / {r['peak_mib_max']:<6.0f}  {r['load']:4.1f}")
     if p["nearest"]:

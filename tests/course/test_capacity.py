@@ -74,7 +74,7 @@ def test_the_plan_names_the_size_the_shortfall_and_the_measured_times_near_it():
     assert "at 20 learners there, lab 00's first cell took 150 s (median; 95th percentile 210 s)\n" in said + "\n"
     wider = "\n".join(capacity.describe(capacity.plan(0.5, 1, live(23.5, 23.0), MEASURED)))
     assert "took 150 s (median; 95th percentile 210 s); 41 at once were not measured" in wider
-    assert re.search(r"\n\s+30\s+20\s+10\s+0\s+2/5\s+90/140\s+150/210\s+600 / 640", said), said
+    assert re.search(r"\n\s+30\s+1\s+20\s+10\s+0\s+2/5\s+90/140\s+150/210\s+600 / 640", said), said
     roomy = capacity.describe(capacity.plan(3.0, 2, live(64.0, 63.5, 32), MEASURED))
     text = "\n".join(roomy)
     assert "holds 20 servers" in text and "WARNING" not in text
