@@ -14,7 +14,7 @@ STAMP  := $(VENV)/.ddplab-installed
 
 .PHONY: lab test test-fast test-unit test-labs test-browser test-browser-more check test-unit-more test-labs-more test-labs-ws1 \
 	test-hub test-gpu gpu-check test-graders handouts exercises bench clean test-slurm test-slurm-hub \
-	check-lane-a check-lane-b
+	check-lane-a check-lane-b load-test
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -155,8 +155,16 @@ $(PROXY_INSTALLED): proxy/package-lock.json
 
 test-hub: $(HUB_INSTALLED)
 	DDPLAB_HUB_TEST=1 $(HUB_SUDO) $(HUB_VENV)/bin/python -m pytest -q -p no:cacheprovider tests/course/test_classroom_hub.py \
-	  tests/course/test_classroom_limits.py
+	  tests/course/test_classroom_limits.py tests/course/test_class_load.py
 	DDPLAB_HUB_TEST=1 $(PY) -m pytest -q tests/course/test_classroom_grading.py
+
+# A full class, measured (tools/class_load.py; docs/classroom.md, "How many learners"): classes of
+# N learners one after another, each logging in at once through the proxy, starting a server and
+# running lab 00's first cell on 2 gloo ranks; times, memory per learner, refusals past the class's
+# size, and what was left (nothing). Heavy: not in make check. make load-test N="10 20 30"
+N ?= 10
+load-test: $(HUB_INSTALLED)
+	$(HUB_SUDO) $(HUB_VENV)/bin/python tools/class_load.py $(N) --out build/load-test $(LOAD_ARGS)
 
 # A real Slurm (Debian's slurm-wlm and munge, apt-installed when missing; root): munged,
 # slurmctld and two emulated nodes on 127.0.0.1, started and stopped by the test. A lab's cells

@@ -17,6 +17,8 @@ The folder it writes (modes as set here; "instructor" is the ``--instructor`` ac
     exchange/                  nbgrader's exchange (1777 with the sticky bit, as nbgrader asks)
     homes/<learner>/           each learner's home (0700, the learner's own)
     accounts.txt               the accounts this command created (for --delete-accounts)
+    templates/error.html       JupyterHub's error page, saying "the class is full" past
+                               --max-learners servers (ddplab/course/capacity.py)
     sudoers                    (--spawner slurm) the hub's sudo rule: sbatch, squeue, scancel as
                                the learners only (ddplab/course/slurmhub.py)
     README.md                  the instructor's steps
@@ -40,7 +42,7 @@ import re
 import shutil
 import sys
 
-from ddplab.course import accounts, hubconfig, limits, safety
+from ddplab.course import accounts, capacity, hubconfig, limits, safety
 from ddplab.course import logins as logins_module
 
 COURSE_ID = "ddplab"
@@ -53,11 +55,14 @@ GRADING_MIN_GIB = 8.0
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("folder", help="where to write the set-up (created; must be empty or absent); "
+    p.add_argument("folder", nargs="?", help="where to write the set-up (created; must be empty or absent); "
                                   "with --delete-accounts, the class to remove the accounts of")
     who = p.add_mutually_exclusive_group(required=True)
     who.add_argument("--learners", type=int, help="this many learners, named learner01, learner02, ...")
     who.add_argument("--roster", help="a file with one learner name per line")
+    who.add_argument("--plan", action="store_true",
+                     help="say how many learners this machine holds at --mem-gib and --threads, and at "
+                          "what speed (figures measured by make load-test); writes nothing")
     who.add_argument("--delete-accounts", action="store_true",
                      help="delete the Unix accounts (and homes) this command created for FOLDER's class, "
                           "after saving each learner's home to FOLDER/course/saved-homes/ (asks first)")
@@ -81,6 +86,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--mem-gib", type=float, default=3.0,
                    help="memory per learner, enforced by the systemd spawner, or by the local spawner "
                         "where cgroup v1 is writable (the command says which) [3]")
+    p.add_argument("--max-learners", type=int, default=None,
+                   help="servers at once (the instructor's counts as one); the next learner reads \"the "
+                        "class is full\" [as many as this machine's memory holds at --mem-gib: see --plan]")
     p.add_argument("--spawner", choices=hubconfig.SPAWNERS, default="local")
     p.add_argument("--ip", default="127.0.0.1",
                    help="where the proxy listens for browsers [127.0.0.1]; another address needs "
@@ -100,8 +108,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                                   "once, saying when to try again; a successful log-in clears its name and address")
     logins.add_argument("--login-failures", type=int, default=logins_module.PER_NAME,
                         help="failed log-ins per name within --login-window (0: no limit) [%(default)s]")
-    logins.add_argument("--login-address-failures", type=int, default=logins_module.PER_ADDRESS,
-                        help="failed log-ins per address within --login-window (0: no limit) [%(default)s]")
+    logins.add_argument("--login-address-failures", type=int, default=None,
+                        help="failed log-ins per address within --login-window (0: no limit); a log-in "
+                             "counts as failed until its password is checked [the class's accounts + "
+                             f"{logins_module.PER_ADDRESS}: a whole class behind one address may log in at once]")
     logins.add_argument("--login-window", type=float, default=logins_module.WINDOW_S,
                         help="seconds a failed log-in counts [%(default)s]")
     p.add_argument("--exchange", default=None,
@@ -149,8 +159,15 @@ def find_proxy(given: str | None) -> str:
     return str(pathlib.Path(path).resolve())
 
 
-def login_limits(args) -> tuple[int, int, float]:
-    return args.login_failures, args.login_address_failures, args.login_window
+def login_limits(args, accounts_n: int = 0) -> tuple[int, int, float]:
+    """Per name, per address, window. Every log-in counts as failed until PAM has checked it, and a
+    class behind one NAT address logs in at once at 9:00: measured with make load-test, 20 right
+    passwords sent at once met a limit of 10 per address, and 10 learners read "too many failed
+    log-ins from your address". So by default the address limit is the class's accounts plus 10."""
+    per_address = args.login_address_failures
+    if per_address is None:
+        per_address = accounts_n + logins_module.PER_ADDRESS
+    return args.login_failures, per_address, args.login_window
 
 
 def grader(args) -> str:
@@ -186,7 +203,8 @@ def write(args) -> tuple[pathlib.Path, dict]:
     names, proxy, per = learners(args), find_proxy(args.proxy), gpus_per_learner(args)
     if args.threads < 1:
         raise ValueError("--threads must be at least 1")
-    logins_module.LoginLimits(*login_limits(args))  # says what is wrong with them, before anything is made
+    args.max_servers = max_servers(args)
+    logins_module.LoginLimits(*login_limits(args, len(names) + 1))  # what is wrong with them, before anything is made
     safety.check_network(args)
     if not args.trusted_class:
         safety.check_accounts(names, args.instructor, grader(args))
@@ -207,6 +225,7 @@ def _fill(folder: pathlib.Path, names: list[str], proxy: str, per: int, args) ->
     exchange = pathlib.Path(args.exchange).resolve() if args.exchange else folder / "exchange"
     if args.spawner == "slurm":
         check_slurm(args)
+    spawns = capacity.spawn_limit(capacity.machine().cpus)
     for sol in graded_labs():
         (course / "source" / sol.stem).mkdir(parents=True)
         shutil.copyfile(sol, course / "source" / sol.stem / sol.name)
@@ -227,7 +246,10 @@ def _fill(folder: pathlib.Path, names: list[str], proxy: str, per: int, args) ->
         ssl_cert=args.ssl_cert and str(pathlib.Path(args.ssl_cert).resolve()),
         ssl_key=args.ssl_key and str(pathlib.Path(args.ssl_key).resolve()), hub_ip=args.hub_ip,
         time_limit=args.time_limit, partition=args.partition, hub_user=args.hub_user,
-        login_limits=login_limits(args)))
+        login_limits=login_limits(args, len(names) + 1), max_servers=args.max_servers, spawns=spawns))
+    if args.max_servers:
+        (folder / "templates").mkdir()
+        (folder / "templates" / "error.html").write_text(capacity.full_page(args.max_servers, args.mem_gib, spawns))
     if args.spawner == "slurm":
         from ddplab.course import slurmhub
 
@@ -246,6 +268,37 @@ def _fill(folder: pathlib.Path, names: list[str], proxy: str, per: int, args) ->
         # JupyterHub's shared-password log-in wants 32 characters or more for the admin's
         return folder, dict(zip(hubconfig.PASSWORD_VARS, [accounts.new_password(), accounts.new_password(groups=7)]))
     return folder, safety.make_accounts(folder, names, args.instructor, grader(args), exchange / COURSE_ID)
+
+
+def max_servers(args) -> int | None:
+    """The class's size on this machine (None on Slurm: its scheduler queues the servers)."""
+    if args.spawner == "slurm":
+        if args.max_learners is not None:
+            raise ValueError("--max-learners is for a class on this machine: with --spawner slurm, "
+                             "Slurm's partition limits say how many servers run at once")
+        return None
+    fits = capacity.server_limit(args.mem_gib, capacity.machine().total_gib)
+    if args.max_learners is None:
+        return fits
+    if args.max_learners < 1:
+        raise ValueError(f"--max-learners must be at least 1, got {args.max_learners}")
+    if args.max_learners > fits:
+        print(f"WARNING: --max-learners {args.max_learners} is more than this machine's memory holds at "
+              f"--mem-gib {args.mem_gib:g} ({fits}): when the learners' use adds up past it, the kernel may "
+              "kill one learner's kernel for another's memory (python -m ddplab classroom --plan)",
+              file=sys.stderr)
+    return args.max_learners
+
+
+def plan(args) -> int:
+    """--plan: what this machine holds, from the live machine and the figures measured here."""
+    try:
+        said = capacity.describe(capacity.plan(args.mem_gib, args.threads, capacity.machine()))
+    except ValueError as e:
+        print(e, file=sys.stderr)
+        return 2
+    print("\n".join(said))
+    return 0
 
 
 def check_slurm(args) -> None:
@@ -384,6 +437,10 @@ def delete(args, parser) -> int:
 
 
 def run(args, parser) -> int:
+    if args.plan:
+        return plan(args)
+    if not args.folder:
+        parser.error("the class's FOLDER is needed (only --plan goes without one)")
     if args.delete_accounts:
         return delete(args, parser)
     if args.passwords_file and os.path.lexists(args.passwords_file):

@@ -50,6 +50,7 @@ Written by `python -m ddplab classroom`. docs/classroom.md in ddplab explains ev
 - Seats: {seats}; {args.threads} CPU(s) per learner (affinity); memory {args.mem_gib} GiB {mem}.
 - Hub: {scheme}://{args.ip}:{args.port}/ (proxy), hub API and proxy API on 127.0.0.1 only.
 - Idle servers stop after {args.idle_timeout} s (jupyterhub-idle-culler): their ranks and seat go too.
+{full_line(names, args)}
 - If the hub is killed, its proxy, culler, servers, kernels and ranks stop with it; start it again.
 
 ## Start and stop
@@ -84,3 +85,14 @@ size").
 
     sudo {py} -m ddplab classroom {folder} --delete-accounts   # asks, saves homes to course/saved-homes/, deletes
 """
+
+
+def full_line(names: list[str], args) -> str:
+    """What the class's size means for this roster (ddplab/course/capacity.py)."""
+    size = getattr(args, "max_servers", None)
+    if not size:
+        return "- No limit on servers at once (Slurm's partition limits decide)."
+    short = (f" {len(names) + 1} accounts (the roster and you) are more than that: the last to log in read "
+             "\"The class is full\" until someone logs out.") if len(names) + 1 > size else ""
+    return (f"- At most {size} servers at once (yours counts), so that the learners' memory limits fit in this "
+            f"machine: `python -m ddplab classroom --plan` says why.{short}")

@@ -19,6 +19,9 @@ Teaches what a one-server JupyterHub for ddplab needs and why:
   with the hub's ``ssl_cert``/``ssl_key``;
 - seats (:mod:`ddplab.course.seats`): GPUs and CPUs per learner, taken when a server starts
   and given back when it stops;
+- the class's size (:mod:`ddplab.course.capacity`): JupyterHub's ``active_server_limit`` set
+  so that the learners' memory limits fit in the machine's memory; past it a learner reads
+  "the class is full";
 - jupyterhub-idle-culler as a hub service, so an idle learner's server, its kernels and their
   ranks are stopped and the seat freed;
 - everything the hub starts (proxy, culler, servers) dies with the hub, even a SIGKILLed one
@@ -48,7 +51,8 @@ def render(*, folder: str, learners: list[str], admin: str, gpus_per_learner: in
            idle_timeout: int, ssl_cert: str | None = None, ssl_key: str | None = None,
            python: str = sys.executable, hub_ip: str = "127.0.0.1", time_limit: str = "02:00:00",
            partition: str = "", hub_user: str = "root",
-           login_limits: tuple[int, int, float] = (PER_NAME, PER_ADDRESS, WINDOW_S)) -> str:
+           login_limits: tuple[int, int, float] = (PER_NAME, PER_ADDRESS, WINDOW_S),
+           max_servers: int | None = None, spawns: int = 2) -> str:
     if spawner not in SPAWNERS:
         raise ValueError(f"spawner must be one of {SPAWNERS}, got {spawner!r}")
     if bool(ssl_cert) != bool(ssl_key):
@@ -91,6 +95,7 @@ def render(*, folder: str, learners: list[str], admin: str, gpus_per_learner: in
         "c.JupyterHub.cleanup_servers = True  # the hub's stop stops every learner's server",
         "c.JupyterHub.shutdown_on_logout = True  # logging out stops that learner's server",
         "",
+        *full_class_lines(max_servers, spawns),
         "# Wrong passwords past these limits are refused at once, without checking the password",
         "# (ddplab/course/logins.py): a burst of them would hold up everybody's log-in.",
         "from ddplab.course.logins import LoginLimits, RateLimitedLogins",
@@ -229,6 +234,8 @@ def render(*, folder: str, learners: list[str], admin: str, gpus_per_learner: in
             "    if spawner.user.name != INSTRUCTOR and CGROUPS:  # (+ every GPU node but the seat's denied)",
             f"        limits.prepare(CLASS, spawner.user.name, MEMORY, {threads}, seat.cpus,",
             "                       denied_gpus=gpu_nodes.denied(seat.gpus) if 'devices' in CGROUPS else ())",
+            "        # the class weighs as many processes as it has servers, not as one (capacity.py)",
+            f"        capacity.weigh_class(CLASS, {max_servers or len(learners)})",
         ]
     lines += [
         "    if spawner.user.name == INSTRUCTOR:  # Formgrader wants the course inside the server's root",
@@ -261,12 +268,30 @@ def render(*, folder: str, learners: list[str], admin: str, gpus_per_learner: in
     return "\n".join(lines)
 
 
+def full_class_lines(max_servers: int | None, spawns: int = 2) -> list[str]:
+    """The class's size: past it a learner reads "the class is full" (ddplab/course/capacity.py)."""
+    if not max_servers:
+        return []
+    return [
+        "# The class is full at this many servers (the instructor's counts as one): that many learners'",
+        "# memory limits fit in this machine's memory, so no learner's use can get another's kernel",
+        "# killed (ddplab/course/capacity.py; `python -m ddplab classroom --plan`). The next learner",
+        "# gets JupyterHub's 429 page, which templates/error.html completes with what to do.",
+        f"c.JupyterHub.active_server_limit = {max_servers}",
+        "# Starting a server is seconds of CPU: all at once, on few cores, they all miss http_timeout.",
+        "# One start per CPU at a time; the others read 'Try again in 30-60 seconds' (429) and do.",
+        f"c.JupyterHub.concurrent_spawn_limit = {spawns}",
+        "c.JupyterHub.template_paths = [str(HERE / 'templates')]",
+        "",
+    ]
+
+
 def limited_spawner_lines(mem_gib: float, threads: int) -> list[str]:
     """Each server as its learner's account, in that learner's cgroups (ddplab/course/limits.py)."""
     return [
         "from jupyterhub.spawner import LocalProcessSpawner",
         "",
-        "from ddplab.course import limits",
+        "from ddplab.course import capacity, limits",
         "",
         "CLASS = limits.class_name(HERE)",
         f"MEMORY = int({mem_gib!r} * 2**30)",
