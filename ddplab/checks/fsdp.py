@@ -28,8 +28,9 @@ It runs on every rank, in three parts, and names the first mistake:
    right in value, costs more);
 2. two SGD steps of that model with the four hooks inside the reference's
    plumbing, against one process on all the ranks' data AND torch's
-   ``fully_shard`` (both computed first, so that no collective of the grader's
-   follows one of yours);
+   ``fully_shard`` (both computed before your hooks train, once part 1 passed
+   on every rank, and kept on the ranks: no collective of the grader's meets
+   one of yours);
 3. what went wrong in words: a collective only some ranks make is "hung"; an
    untouched exercise is "not implemented" and keeps its ranks; a rank that
    died (a freed tensor written or read: torch does not check) is told so.
@@ -170,7 +171,7 @@ def _batch(step, rank):
 
 def _references() -> dict:
     """Full weights after each step: one process on every rank's batch, and fully_shard. Runs
-    before the learner's code, so its collectives meet only its own."""
+    before the learner's hooks train, so its collectives meet only its own."""
     import torch
     import torch.distributed as dist
     from torch import nn
@@ -219,9 +220,9 @@ def _on_rank(hooks: dict):
     import torch.distributed as dist
 
     ws = dist.get_world_size()
-    if ws not in _CACHED:
+    _each_hook(hooks)  # first: an untouched exercise stops here, before fully_shard is built
+    if ws not in _CACHED:  # every rank got here, each of your collectives answered
         _CACHED[ws] = _references()
-    _each_hook(hooks)
     return _trains(hooks, _CACHED[ws])
 
 
