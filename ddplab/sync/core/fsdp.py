@@ -16,6 +16,11 @@ What it teaches. DDP keeps a whole model on every rank. FSDP keeps
    Parameters outside sharded layers (a norm) are replicated and all-reduced
    by ``finish_gradient_synchronization()``, as in DDP.
 
+The hooks call four methods per unit, FSDP2's moments: ``pre_forward`` (1.),
+``post_forward`` (the free in 1.), ``pre_backward`` (2.) and ``post_backward`` (3.);
+lab 12's exercise writes these four (a subclass overrides them) and the plumbing
+around them stays this module's.
+
 The layout is FSDP1's (flat 1-D pieces, below); the hooks behave as FSDP2's:
 a layer run again inside backward (activation checkpointing
 recomputing it, reentrant or not) is gathered and kept until its backward is
