@@ -303,6 +303,12 @@ def not_freed_after_backward(fsdp, unit):
             _scatter(fsdp, sp, full, _rs)
 
 
+def no_none_check(fsdp, unit):
+    for sp, full in zip(unit.params, unit.fulls):  # also called once reduced: grad None
+        _scatter(fsdp, sp, full, _rs)
+    post_forward(fsdp, unit)
+
+
 def rank0_only_regathers(fsdp, unit):
     if dist.get_rank() == 0:  # the other ranks think the weights are still there
         pre_forward(fsdp, unit)
@@ -333,6 +339,7 @@ WRONG = [(hooks("not_written", pre_forward=not_written, post_forward=not_written
          (hooks("not_freed_after_backward", post_backward=not_freed_after_backward),
           FC.NOT_FREED_AFTER_BACKWARD),
          (hooks("floor_no_padding", post_backward=floor_no_padding), RAISED),
+         (hooks("no_none_check", post_backward=no_none_check), RAISED),
          (hooks("no_alloc", pre_forward=no_alloc, pre_backward=no_alloc), RAISED),
          (hooks("copied_under_no_grad", pre_forward=copied_under_no_grad,
                 pre_backward=copied_under_no_grad), RAISED),

@@ -499,6 +499,10 @@ def _hints(text: str) -> str:
     if "dtype" in low or "expected scalar type" in low:
         return ("\nA dtype mismatch: the gathered weights and gradients are float32 here; keep the "
                 "dtype of the shard (sp.shard.dtype) for the buffers you allocate.")
+    if "'nonetype' object has no attribute" in low:
+        return ("\npost_backward also runs at the end of the backward for every unit (FSDP2's "
+                "final callback: a unit whose inputs need no gradient has no other end): a unit "
+                "reduced already has full.grad None; skip it, and only free.")
     if "was not waited" in low or "wait()" in low:
         return "\nAn asynchronous collective's work must be waited for before its output is read."
     return ""
