@@ -226,6 +226,60 @@ def one_rank_skips_one(local, params, owner):
         dist.broadcast(p.data, src=owner[p])
 
 
+def async_never_waited(local, params, owner):
+    local.step()
+    for p in params:
+        dist.broadcast(p.data, src=owner[p], async_op=True)  # the works are dropped
+
+
+def stale_copy_from_the_next_rank(local, params, owner):
+    stale = [p.detach().clone() for p in params]  # kept from before the step
+    local.step()
+    for p, old in zip(params, stale):
+        src = (owner[p] + 1) % dist.get_world_size()
+        buf = old if dist.get_rank() == src else p.data
+        dist.broadcast(buf, src=src)
+        p.data.copy_(buf)
+
+
+def divided_then_gathered(local, params, owner):
+    for p in params:
+        p.grad.div_(dist.get_world_size())  # DDP has averaged already
+    gathered_padded(local, params, owner)
+
+
+@torch.no_grad()
+def float32_buffer(local, params, owner):
+    local.step()
+    shares, longest, flat = _flat_padded(params, owner)
+    out = torch.empty(len(shares) * longest)  # float32: the parameters are float64
+    dist.all_gather_into_tensor(out, flat)
+    _copy_back(shares, out.view(len(shares), longest))
+
+
+@torch.no_grad()
+def flat_pieces_kept(local, params, owner):
+    local.step()
+    shares, longest, flat = _flat_padded(params, owner)
+    out = flat.new_empty(len(shares) * longest)
+    dist.all_gather_into_tensor(out, flat)
+    for share, part in zip(shares, out.view(len(shares), longest)):
+        o = 0
+        for p in share:
+            p.data = part[o:o + p.numel()].clone()  # no view(shape): p becomes flat
+            o += p.numel()
+
+
+@torch.no_grad()
+def one_buffer_for_every_rank(local, params, owner):
+    local.step()
+    shares, longest, flat = _flat_padded(params, owner)
+    buf = torch.empty_like(flat)
+    parts = [buf] * len(shares)  # one tensor, overwritten by every rank's part
+    dist.all_gather(parts, flat)
+    _copy_back(shares, parts)
+
+
 # -- wrong partitions ----------------------------------------------------------------------
 def skips_the_smallest(params, world_size):
     owner = largest_first(params, world_size)
@@ -275,12 +329,19 @@ WRONG = [(solution(largest_first, no_broadcast), S.NO_BROADCAST),
          (solution(by_own_rank, per_param), S.OWNERS_DIFFER),
          (solution(not_written, not_written), NOT_IMPLEMENTED),
          (solution(largest_first, not_written), NOT_IMPLEMENTED),
-         (solution(largest_first, one_rank_skips_one), HUNG)]
+         (solution(largest_first, one_rank_skips_one), HUNG),
+         (solution(largest_first, async_never_waited), S.NOT_WAITED),
+         (solution(round_robin, stale_copy_from_the_next_rank), S.WRONG_SOURCE),
+         (solution(largest_first, divided_then_gathered), S.DIVIDED_TWICE),
+         (solution(largest_first, one_buffer_for_every_rank), S.WRONG_CUT)]
+# each replaces the ranks (a raised step leaves a collective half-done): at 2 ranks only
+WRONG_2 = WRONG + [(solution(largest_first, float32_buffer), RAISED),
+                   (solution(largest_first, flat_pieces_kept), RAISED)]
 
 
 def _check(cluster, fn):
     return S.check_sharded_step(cluster, fn.step, fn.partition)
 
 
-SHARDED_STEP = {"check": _check, "world": 2, "correct": CORRECT, "wrong": WRONG}
+SHARDED_STEP = {"check": _check, "world": 2, "correct": CORRECT, "wrong": WRONG_2}
 SHARDED_STEP_3 = {"check": _check, "world": 3, "correct": CORRECT, "wrong": WRONG}

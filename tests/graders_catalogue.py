@@ -52,7 +52,8 @@ CATALOGUE = {
     "10 exposed buckets": YOURS.EXPOSED,
     "11 sharded step": SHARDING.SHARDED_STEP,
     "11 sharded step, 3 ranks": SHARDING.SHARDED_STEP_3,
-    "12 FSDP gather and reduce-scatter": FSDP.FSDP_COLLECTIVES,
+    "12 FSDP hooks": FSDP.FSDP_HOOKS,
+    "12 FSDP hooks, 3 ranks": FSDP.FSDP_HOOKS_3,
 }
 
 

@@ -76,7 +76,7 @@ from ddplab.checks.yourmodel import check_exposed  # noqa: E402
 
 __all__ += ["check_exposed"]
 
-# lab 12: FSDP's gather-before-use and gradient reduce-scatter
-from ddplab.checks.fsdp import check_fsdp_collectives  # noqa: E402
+# lab 12: FSDP itself, a unit's four hooks (gather, free, gather again, reduce-scatter)
+from ddplab.checks.fsdp import check_fsdp_hooks  # noqa: E402
 
-__all__ += ["check_fsdp_collectives"]
+__all__ += ["check_fsdp_hooks"]

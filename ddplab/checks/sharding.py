@@ -26,7 +26,8 @@ observing group what the step handed it (``OpBytes``).
 
 Mistakes it names: not implemented; a parameter no rank owns; ranks that
 disagree on the owners; hung (a collective only some ranks make); the local
-optimizer never stepped; nothing shared (replicas apart); the updated
+optimizer never stepped; nothing shared (replicas apart); an asynchronous
+collective never waited for (seen at the group: no wait on its work); the updated
 parameters not received (a broadcast before the step, of a gradient or of a
 copy); the gathered shards never copied back into the parameters; other
 traffic than one copy of the parameters; a parameter sent by a rank that does
@@ -58,6 +59,7 @@ WRONG_SOURCE = "a parameter sent by a rank that does not own it"
 DIVIDED_TWICE = "the gradients divided by the world size again"
 WRONG_CUT = "the gathered shards cut into the wrong parameters"
 WRONG_BYTES = "not one copy of the parameters sent"
+NOT_WAITED = "an asynchronous collective never waited for"
 STEPS = 3
 GATHERS = {"all_gather", "all_gather_into_tensor"}
 HUNG_HOW = ("\nEvery rank makes every collective: each broadcast (the owner sending, the others "
@@ -74,6 +76,15 @@ def _grade_on_rank(step, partition, tag: str) -> dict:
     from ddplab.pg.group import observe
     from ddplab.sync.core.sharded_optimizer import ShardedOptimizer
     from ddplab.timeline.op_bytes import OpBytes
+
+    class Counted(OpBytes):  # the bytes, and which calls were waited for
+        def launched(self, op, tensors, group, peer):
+            super().launched(op, tensors, group, peer)
+            self.unwaited = getattr(self, "unwaited", set()) | {sum(self.calls.values())}
+            return sum(self.calls.values())
+
+        def waiting(self, token):  # c10d waits on a blocking call's work too
+            self.unwaited.discard(token)
 
     rank, ws = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(7)
@@ -115,7 +126,7 @@ def _grade_on_rank(step, partition, tag: str) -> dict:
         for p in halved.parameters():
             p.grad.div_(ws)
         before = [p.detach().clone() for p in params]
-        with observe(OpBytes()) as counted:
+        with observe(Counted()) as counted:
             try:
                 step(local, params, owner)
             except NotImplementedError:
@@ -136,7 +147,8 @@ def _grade_on_rank(step, partition, tag: str) -> dict:
             # Adam counts its steps per parameter: did the local optimizer step at all?
             "stepped": any(float(s.get("step", 0)) > i for s in local.state.values()),
             "owned": [owner[p] for p in params],
-            "nbytes": counted.nbytes, "by_op": dict(counted.by_op)})
+            "nbytes": counted.nbytes, "by_op": dict(counted.by_op),
+            "unwaited": len(getattr(counted, "unwaited", ()))})
     return out
 
 
@@ -203,6 +215,18 @@ def _traffic(per_rank: list) -> None:
                                            "once, from its owner." + why)
 
 
+def _hint(said: str) -> str:
+    """The cause behind torch's words for the usual slips of a gathered step."""
+    if "invalid tensor type" in said:
+        return ("\nA buffer of another dtype than the parameters' (float64 here): make it with "
+                "flat.new_empty(...) or torch.empty_like(flat).")
+    if "must match the size of tensor" in said or "mat1 and mat2" in said:
+        return ("\nA parameter lost its shape, or a flat piece met a shaped one: copy each piece "
+                "back with p.copy_(piece.view_as(p)) (p.data = piece gives p the piece's flat "
+                "shape).")
+    return ""
+
+
 def _replicas_equal(per_rank, i) -> bool:
     first = per_rank[0]["steps"][i]["weights"]
     return all(first.equal(r["steps"][i]["weights"]) for r in per_rank)
@@ -220,9 +244,11 @@ def diagnose(per_rank: list) -> None:
         raise CheckFailed(HUNG, "\n".join(f"rank {r}: {n}: {t}" for r, (n, t) in
                                           sorted(errors.items())) + HUNG_HOW)
     if errors:
-        pad = ("\ngloo's all-gather takes the same number of elements from every rank: pad each "
-               "rank's flat shard to the largest share, and drop the padding when copying back."
-               if any("allgather" in t and "size" in t for _, t in errors.values()) else "")
+        said = " ".join(t for _, t in errors.values())
+        pad = _hint(said) + ("\ngloo's all-gather takes the same number of elements from every "
+                             "rank: pad each rank's flat shard to the largest share, and drop "
+                             "the padding when copying back."
+                             if "allgather" in said and "size" in said else "")
         raise CheckFailed(RAISED, "\n".join(f"rank {r}: {n}: {t}" for r, (n, t) in
                                             sorted(errors.items())) + pad)
     _diagnose_partition(per_rank)
@@ -236,6 +262,14 @@ def diagnose(per_rank: list) -> None:
                                         "share every parameter from its owner: "
                                         "dist.broadcast(p, src=owner[p]), or an all-gather of "
                                         "the owners' flat shards.")
+    unwaited = [(r["rank"], i, s["unwaited"]) for r in per_rank for i, s in enumerate(r["steps"])
+                if s.get("unwaited")]
+    if unwaited:
+        rank, i, n = unwaited[0]
+        raise CheckFailed(NOT_WAITED, f"rank {rank}, step {i}: {n} collective(s) launched with "
+                                      "async_op=True were never waited for, so the parameters may "
+                                      "not have arrived when your step returned. Keep each work "
+                                      "and call work.wait() on all of them before returning.")
     _traffic(per_rank)
     gathered = set(first[0]["by_op"]) <= GATHERS
     if not all(_replicas_equal(per_rank, i) for i in range(STEPS)):
@@ -275,7 +309,9 @@ def diagnose(per_rank: list) -> None:
                                      "one process: rank r's part of the gathered tensor holds the "
                                      "parameters r owns, in params' order, then padding. Cut each "
                                      "part at the same sizes it was flattened with, and drop the "
-                                     "padding at its end.")
+                                     "padding at its end. (dist.all_gather needs one tensor per "
+                                     "rank: a list holding one buffer world_size times is "
+                                     "overwritten by every rank's part.)")
     raise CheckFailed(WRONG, f"every rank holds the same weights, {worst:.2e} away from one process.")
 
 
@@ -296,7 +332,7 @@ def check_sharded_step(cluster, step, partition=None, *, timeout: float = 60.0) 
                                    "be posted inside gloo.")
         if isinstance(err, TimeoutError) or "imeout" in str(err):
             raise CheckFailed(HUNG, str(err).splitlines()[0] + HUNG_HOW) from None
-        raise CheckFailed(RAISED, str(err).splitlines()[0]) from None
+        raise CheckFailed(RAISED, str(err).splitlines()[0] + _hint(str(err))) from None
     if all(r["error"] and r["error"][0] == "NotImplementedError" for r in per_rank):
         # the untouched exercise: every rank stopped at the same line, before any collective of
         # the step, so nothing is half-done and the ranks stay as they are

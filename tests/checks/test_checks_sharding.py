@@ -42,3 +42,17 @@ def test_a_broadcast_only_the_owner_makes_is_named_a_hang(cluster2_short):
         S.check_sharded_step(cluster2_short, only_owner_sends, timeout=40)
     assert e.value.mistake == HUNG, str(e.value)
     assert cluster2_short.run(lambda: 1) == [1, 1]  # fresh ranks after the hang
+
+
+def test_a_buffer_of_another_dtype_and_a_piece_without_its_shape_are_told_their_cause(cluster2):
+    for step, words in ((CAT.float32_buffer, "another dtype than the parameters'"),
+                        (CAT.flat_pieces_kept, "piece.view_as(p)")):
+        with pytest.raises(CheckFailed) as e:  # each replaces the ranks: about 15 s under load
+            S.check_sharded_step(cluster2, step, CAT.largest_first)
+        assert e.value.mistake == RAISED and words in str(e.value), str(e.value)
+
+
+def test_an_async_broadcast_never_waited_for_is_named(cluster2):
+    with pytest.raises(CheckFailed) as e:
+        S.check_sharded_step(cluster2, CAT.async_never_waited, CAT.largest_first)
+    assert e.value.mistake == S.NOT_WAITED and "work.wait()" in str(e.value), str(e.value)

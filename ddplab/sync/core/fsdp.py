@@ -16,6 +16,11 @@ What it teaches. DDP keeps a whole model on every rank. FSDP keeps
    Parameters outside sharded layers (a norm) are replicated and all-reduced
    by ``finish_gradient_synchronization()``, as in DDP.
 
+The hooks call four methods per unit, FSDP2's moments: ``pre_forward`` (1.),
+``post_forward`` (the free in 1.), ``pre_backward`` (2.) and ``post_backward`` (3.);
+lab 12's exercise writes these four (a subclass overrides them) and the plumbing
+around them stays this module's.
+
 The layout is FSDP1's (flat 1-D pieces, below); the hooks behave as FSDP2's:
 a layer run again inside backward (activation checkpointing
 recomputing it, reentrant or not) is gathered and kept until its backward is
@@ -175,8 +180,12 @@ class FSDP(nn.Module):
                              "sharded: add that module's class to shard=, or untie the weight")
         for m, pname, sp in [slot for slots in uses.values() for slot in slots]:
             m._parameters[pname] = sp.shard  # the module now holds this rank's piece
-        return [Unit(u, slots, list({id(sp): sp for _, _, sp in slots}.values()))
-                for u, slots in uses.items()], sharded
+        units = [Unit(u, slots, list({id(sp): sp for _, _, sp in slots}.values()))
+                 for u, slots in uses.items()]
+        for unit in units:  # the full weights' tensors, made once, their memory freed until gathered
+            unit.fulls = [free_storage(torch.empty(sp.shape, dtype=self.compute_dtype))
+                          for sp in unit.params]
+        return units, sharded
 
     def all_gather(self, unit: Unit) -> list:
         """This rank's pieces, cast, concatenated, gathered in ONE call, cut into full weights."""
@@ -199,31 +208,57 @@ class FSDP(nn.Module):
         mine /= self.world_size
         return [None if g is None else piece.clone() for g, piece in zip(grads, mine.split(sizes))]
 
+    # -- a unit's four moments, FSDP2's names (FSDPParamGroup): the hooks below call them, and
+    # -- lab 12's exercise writes them (a subclass overrides these four and nothing else)
+
+    def pre_forward(self, unit: Unit) -> None:
+        """Before the unit's forward: gather its full weights and swap them in."""
+        self._unshard(unit)
+
+    def post_forward(self, unit: Unit) -> None:
+        """After its forward: swap the shards back and free the full weights' memory."""
+        self._reshard(unit)
+
+    def pre_backward(self, unit: Unit) -> None:
+        """Before its backward (its output's gradient arrived): gather again, into the same
+        tensors autograd saved in the forward."""
+        self._unshard(unit)
+
+    def post_backward(self, unit: Unit) -> None:
+        """Its backward is done: reduce-scatter the gradients, then free as after the forward."""
+        self._post_backward(unit)
+
     @torch.no_grad()
     def _unshard(self, unit: Unit) -> None:
         """Gather the unit's full weights into its leaf tensors and swap them into the layer."""
         if not unit.gathered:
-            gathered = self.all_gather(unit)
-            if not unit.fulls:  # the first gather: these tensors serve every later call
-                unit.fulls = [g.detach().clone() for g in gathered]
-            for full, again in zip(unit.fulls, gathered):
-                full.untyped_storage().resize_(full.numel() * full.element_size())
+            for full, again in zip(unit.fulls, self.all_gather(unit)):
+                alloc_storage(full)  # the memory _reshard freed
                 full.data.copy_(again)  # .data: a graph that saved ``full`` sees no in-place change
             unit.gathered = True
-        for full, sp in zip(unit.fulls, unit.params):  # a weight frozen since: no gradient
-            full.requires_grad_(sp.shard.requires_grad)
-        where = {id(sp): i for i, sp in enumerate(unit.params)}
-        for m, pname, sp in unit.slots:  # the full weights in, as FSDP2 swaps them in
-            m._parameters[pname] = unit.fulls[where[id(sp)]]
+        self.swap_in(unit)
 
     def _reshard(self, unit: Unit) -> None:
         """Swap the shards back and free the full weights' memory (autograd keeps the tensors)."""
-        for m, pname, sp in unit.slots:
-            m._parameters[pname] = sp.shard
+        self.swap_out(unit)
         if unit.gathered:
             for full in unit.fulls:
-                full.untyped_storage().resize_(0)
+                free_storage(full)
             unit.gathered = False
+
+    def swap_in(self, unit: Unit) -> None:
+        """The layer uses ``unit.fulls`` (each tied use the same tensor), as FSDP2 swaps the
+        unsharded parameters in; a weight frozen since wrapping gets no gradient."""
+        for full, sp in zip(unit.fulls, unit.params):
+            full.requires_grad_(sp.shard.requires_grad)
+        where = {id(sp): i for i, sp in enumerate(unit.params)}
+        for m, pname, sp in unit.slots:
+            m._parameters[pname] = unit.fulls[where[id(sp)]]
+
+    def swap_out(self, unit: Unit) -> None:
+        """The layer holds this rank's flat shards again (what the optimizer steps)."""
+        for m, pname, sp in unit.slots:
+            m._parameters[pname] = sp.shard
 
     def _post_backward(self, unit: Unit) -> None:
         """The unit's backward is done (or the whole backward is): reduce-scatter the gradients
@@ -241,11 +276,11 @@ class FSDP(nn.Module):
         def hook(module, args, kwargs):
             # inputs in compute_dtype, positional and keyword alike, as FSDP2 casts them
             args, kwargs = _cast((args, kwargs), self.compute_dtype)
-            self._unshard(unit)
+            self.pre_forward(unit)
             if torch.is_grad_enabled():  # the unit's backward ends where its inputs' begins
                 inputs = [t for t in _tensors((args, kwargs)) if t.requires_grad]
                 if inputs:
-                    passed = iter(_PostBackward.apply(lambda: self._post_backward(unit), *inputs))
+                    passed = iter(_PostBackward.apply(lambda: self.post_backward(unit), *inputs))
                     args, kwargs = _replace((args, kwargs), {id(t): next(passed) for t in inputs})
             return args, kwargs
         return hook
@@ -253,10 +288,10 @@ class FSDP(nn.Module):
     def _post_forward(self, unit: Unit):
         def hook(module, args, output):
             if not _in_backward():  # a recompute (checkpoint) keeps them until post-backward
-                self._reshard(unit)
+                self.post_forward(unit)
             outputs = [t for t in _tensors(output) if t.requires_grad]
             for t in outputs:  # its backward needs the full weights again: gathered first
-                t.register_hook(lambda grad: self._unshard(unit))
+                t.register_hook(lambda grad: self.pre_backward(unit))
             return output
         return hook
 
@@ -265,7 +300,7 @@ class FSDP(nn.Module):
         whose output was not used reduce-scatter and free here, as FSDP2's final callback does."""
         self._final_queued = False
         for unit in self.units:
-            self._post_backward(unit)
+            self.post_backward(unit)
 
     def _queue_final(self, grad):
         if not self._final_queued:
@@ -459,6 +494,20 @@ def _check(module, compute_dtype, shard) -> None:
     if any(isinstance(m, nn.Embedding) and m.sparse for m in module.modules()):
         raise ValueError("FSDP cannot shard an nn.Embedding with sparse=True (its gradient "
                          "is not a dense tensor to reduce-scatter): use sparse=False")
+
+
+def free_storage(t: torch.Tensor) -> torch.Tensor:
+    """Release ``t``'s memory and keep the tensor (its shape, and every graph that saved it).
+    Nothing checks a freed tensor: reading or writing it before ``alloc_storage(t)`` crashes
+    the process (FSDP2 has the same two functions, in _fsdp_param.py)."""
+    t.untyped_storage().resize_(0)
+    return t
+
+
+def alloc_storage(t: torch.Tensor) -> torch.Tensor:
+    """Give a freed ``t`` memory for its elements again (uninitialised: copy into it)."""
+    t.untyped_storage().resize_(t.numel() * t.element_size())
+    return t
 
 
 def pad(flat, size):
