@@ -189,9 +189,10 @@ def check_logins(names: list[str], shadow: str = "/etc/shadow", today: int | Non
     problems = {n: why_refused(lines.get(n, [n, ""]), today) for n in names}
     problems = {n: why for n, why in problems.items() if why}
     if problems:
-        raise AccountError("; ".join(f"{n} {why}" for n, why in problems.items()) + ": set a new password with "
-                           + ", ".join(f"`passwd {n}`" for n in problems) + " (as root; `chage -E -1 NAME` "
-                           "lifts an expiry date) before starting the hub")
+        fixes = [f"`chage -E -1 {n}`" if why.startswith("is expired") else f"`passwd {n}`"
+                 for n, why in problems.items()]
+        raise AccountError("; ".join(f"{n} {why}" for n, why in problems.items()) + ": as root, run "
+                           + ", ".join(fixes) + " before starting the hub")
 
 
 HASH = re.compile(r"^(\$[^$:]+\$.+|[./0-9A-Za-z]{13})$")  # crypt(5): $id$...; or 13 characters of DES

@@ -42,11 +42,10 @@ wrong passwords does not slow down the check of a right one either.
 Leaves out: limits shared between hubs (the counts live in the hub's memory, and a restart
 clears them), locking accounts, CAPTCHAs; fail2ban reading the hub's log does these system-wide.
 References: JupyterHub's ``Authenticator.authenticate`` (raising ``web.HTTPError`` sets the
-message shown) and ``PAMAuthenticator.executor_threads``; Tornado's ``run_on_executor``; pam_faildelay(8);
-setpriority(2); useradd(8) (names
-of at most 32 characters); Tornado's ``HTTPServer(xheaders=True)`` and
-``RequestHandler.set_default_headers``; configurable-http-proxy's ``--no-x-forward`` (off by
-default); RFC 6585 (429 and ``Retry-After``).
+message shown) and ``PAMAuthenticator.executor_threads``; Tornado's ``run_on_executor``,
+``HTTPServer(xheaders=True)`` and ``RequestHandler.set_default_headers``; pam_faildelay(8);
+setpriority(2); useradd(8) (names of at most 32 characters); configurable-http-proxy's
+``--no-x-forward`` (off by default); RFC 6585 (429 and ``Retry-After``).
 """
 from __future__ import annotations
 

@@ -301,3 +301,26 @@ def test_the_hub_config_the_classroom_writes_limits_its_log_ins(tmp_path, monkey
     assert attempt("wrong") is None and attempt("wrong") is None
     with pytest.raises(web.HTTPError, match="try again in 30 s"):
         attempt("learners-password")
+
+
+def test_the_classroom_options_reach_the_limits_and_unlock_reaches_a_running_hubs_folder(tmp_path):
+    import argparse
+
+    from ddplab.course import classroom
+
+    parser = argparse.ArgumentParser()
+    classroom.add_arguments(parser)
+    args = parser.parse_args([str(tmp_path), "--learners", "1", "--trusted-proxy", "10.0.0.0/24",
+                              "--login-name-failures-everywhere", "12"])
+    limits = LoginLimits(**classroom.login_limits(args))
+    assert limits.limits["name"] == 12 and str(limits.trusted[0]) == "10.0.0.0/24"
+    for bad in (["--login-window", "nan"], ["--login-failures", "-1"]):
+        with pytest.raises(ValueError):
+            LoginLimits(**classroom.login_limits(parser.parse_args([str(tmp_path), "--learners", "1", *bad])))
+    (tmp_path / "jupyterhub_config.py").write_text("")
+    with pytest.raises(SystemExit):  # the hub never started: nothing to unlock, said so
+        classroom.run(parser.parse_args([str(tmp_path), "--unlock", "ann"]), parser)
+    (tmp_path / "hub").mkdir(mode=0o700)
+    assert classroom.run(parser.parse_args([str(tmp_path), "--unlock", "Ann", "bob"]), parser) == 0
+    hub = LoginLimits(unlock_dir=tmp_path / "hub" / "unlock")
+    assert hub.take_unlocks() == ["ann", "bob"] and hub.take_unlocks() == []
