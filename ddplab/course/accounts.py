@@ -163,31 +163,63 @@ def reachable(path: Path) -> Path | None:
     return None
 
 
-def check_logins(names: list[str], shadow: str = "/etc/shadow") -> None:
-    """Raise unless every name is an account with a password set (the hub's start calls it).
+def check_logins(names: list[str], shadow: str = "/etc/shadow", today: int | None = None) -> None:
+    """Raise unless PAM would let every name log in with its password (the hub's start calls it).
 
-    An empty hash field in /etc/shadow means "no password", and Debian's PAM stack (``nullok``)
-    then accepts an empty one. A field that starts with ``!`` (locked) or is ``*`` (never set, as
-    useradd leaves it) lets nobody log in with a password: that learner would only ever read
-    "Invalid username or password".
+    Reads each account's line of /etc/shadow (shadow(5): name, hash, last change, min, max,
+    warn, inactive, expire, all dates in days since 1970) and refuses, as pam_unix would:
+
+    - an empty hash: no password, and Debian's PAM stack (``nullok``) accepts an empty one;
+    - a hash that starts with ``!`` (locked) or ``*`` (never set, as useradd leaves it), or is not
+      a hash at all (``usermod -p x``): nothing typed ever matches it;
+    - an account past its expiry date (``chage -E``): pam_unix's account check refuses it;
+    - a password that must be changed first (``chage -d 0``, or older than its maximum age):
+      JupyterHub's log-in cannot change it, so PAM's account check refuses it too.
     """
     try:
         with open(shadow) as f:
-            hashes = {fields[0]: fields[1] for fields in (line.split(":") for line in f) if len(fields) > 1}
+            lines = {fields[0]: fields for fields in (line.rstrip("\n").split(":") for line in f) if len(fields) > 1}
     except PermissionError as e:
         raise AccountError(f"cannot read {shadow}: start the hub as root (PAM and the spawner need it)") from e
     missing = [n for n in names if not exists(n)]
     if missing:
         raise AccountError(f"no Unix account for {', '.join(missing)}: create it with "
                            "`python -m ddplab classroom` or useradd, then set a password")
-    empty = [n for n in names if not hashes.get(n)]
-    if empty:
-        raise AccountError(f"{', '.join(empty)} has no password: set one with `passwd NAME` (as root) "
-                           "before starting the hub")
-    locked = [n for n in names if hashes[n].startswith(("!", "*"))]
-    if locked:
-        raise AccountError(f"{', '.join(locked)} cannot log in with a password (locked, or never set): set "
-                           "one with `passwd NAME` (as root) before starting the hub")
+    today = int(time.time() // 86400) if today is None else today
+    problems = {n: why_refused(lines.get(n, [n, ""]), today) for n in names}
+    problems = {n: why for n, why in problems.items() if why}
+    if problems:
+        fixes = [f"`chage -E -1 {n}`" if why.startswith("is expired") else f"`passwd {n}`"
+                 for n, why in problems.items()]
+        raise AccountError("; ".join(f"{n} {why}" for n, why in problems.items()) + ": as root, run "
+                           + ", ".join(fixes) + " before starting the hub")
+
+
+HASH = re.compile(r"^(\$[^$:]+\$.+|[./0-9A-Za-z]{13})$")  # crypt(5): $id$...; or 13 characters of DES
+
+
+def why_refused(fields: list[str], today: int) -> str | None:
+    """Why PAM (pam_unix) would refuse every password for this /etc/shadow line, else None."""
+    def day(i):
+        value = fields[i] if len(fields) > i else ""
+        return int(value) if value.strip().lstrip("-").isdigit() else None
+
+    secret = fields[1]
+    if not secret:
+        return "has no password"
+    if secret.startswith(("!", "*")):
+        return "cannot log in with a password (locked, or never set)"
+    if not HASH.match(secret):
+        return "has a password field that is not a hash (no password ever matches it)"
+    changed, longest, inactive, expire = day(2), day(4), day(6), day(7)
+    if expire is not None and expire >= 0 and today >= expire:
+        return "is expired (its account expiry date has passed)"
+    if changed == 0:
+        return "must change its password before logging in (which the hub's log-in cannot do)"
+    if changed is not None and longest is not None and longest >= 0 and today - changed > longest:
+        return ("has a password past its maximum age" + (" and inactive" if inactive is not None and inactive >= 0
+                and today - changed > longest + inactive else "") + " (PAM asks for a new one first)")
+    return None
 
 
 def install_sudoers(text: str, name: str) -> Path:

@@ -41,6 +41,7 @@ import pathlib
 import re
 import shutil
 import sys
+import time
 
 from ddplab.course import accounts, capacity, hubconfig, limits, safety
 from ddplab.course import logins as logins_module
@@ -66,6 +67,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     who.add_argument("--delete-accounts", action="store_true",
                      help="delete the Unix accounts (and homes) this command created for FOLDER's class, "
                           "after saving each learner's home to FOLDER/course/saved-homes/ (asks first)")
+    who.add_argument("--unlock", nargs="+", metavar="NAME",
+                     help="forget the failed log-ins counted for these names in FOLDER's running hub (it "
+                          "reads them at its next log-in attempt); run as the hub's user (root)")
     p.add_argument("--yes", action="store_true", help="with --delete-accounts: do not ask")
     p.add_argument("--passwords-file", default=None,
                    help="also write the passwords to this new file, readable by its owner only (0600); "
@@ -105,15 +109,23 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--idle-timeout", type=int, default=1800,
                    help="seconds before an idle learner's server is stopped [1800]")
     logins = p.add_argument_group("log-in limits (ddplab/course/logins.py): past them a log-in is refused at "
-                                  "once, saying when to try again; a successful log-in clears its name and address")
+                                  "once, saying when to try again; a successful log-in clears its own name's "
+                                  "failures from its address")
     logins.add_argument("--login-failures", type=int, default=logins_module.PER_NAME,
-                        help="failed log-ins per name within --login-window (0: no limit) [%(default)s]")
+                        help="failed log-ins per name from one address within --login-window (0: no limit); "
+                             "the name is refused from that address only [%(default)s]")
     logins.add_argument("--login-address-failures", type=int, default=None,
                         help="failed log-ins per address within --login-window (0: no limit); a log-in "
                              "counts as failed until its password is checked [the class's accounts + "
                              f"{logins_module.PER_ADDRESS}: a whole class behind one address may log in at once]")
+    logins.add_argument("--login-name-failures-everywhere", type=int, default=logins_module.PER_NAME_EVERYWHERE,
+                        help="failed log-ins per name from all addresses together within --login-window (0: no "
+                             "limit); the name is then refused from addresses it never logged in from [%(default)s]")
     logins.add_argument("--login-window", type=float, default=logins_module.WINDOW_S,
-                        help="seconds a failed log-in counts [%(default)s]")
+                        help="seconds a failed log-in counts, at most a day [%(default)s]")
+    logins.add_argument("--trusted-proxy", action="append", default=[], metavar="ADDRESS",
+                        help="a reverse proxy of yours in front of the hub (address or network; repeat for "
+                             "more): a log-in from it is counted at the address it puts in X-Forwarded-For")
     p.add_argument("--exchange", default=None,
                    help="nbgrader's exchange folder (default FOLDER/exchange); with --spawner slurm it "
                         "must be on storage every node mounts at the same path, as FOLDER must")
@@ -159,15 +171,21 @@ def find_proxy(given: str | None) -> str:
     return str(pathlib.Path(path).resolve())
 
 
-def login_limits(args, accounts_n: int = 0) -> tuple[int, int, float]:
-    """Per name, per address, window. Every log-in counts as failed until PAM has checked it, and a
-    class behind one NAT address logs in at once at 9:00: measured with make load-test, 20 right
-    passwords sent at once met a limit of 10 per address, and 10 learners read "too many failed
-    log-ins from your address". So by default the address limit is the class's accounts plus 10."""
+def login_limits(args, accounts_n: int = 0) -> dict:
+    """LoginLimits' keywords from the options (hubconfig writes them into the hub's config).
+
+    Every log-in counts as failed until PAM has checked it, and a class behind one NAT address
+    logs in at once at 9:00: measured with make load-test, 20 right passwords sent at once met a
+    limit of 10 per address, and 10 learners read "too many failed log-ins from your address".
+    So by default the address limit is the class's accounts plus 10."""
     per_address = args.login_address_failures
     if per_address is None:
         per_address = accounts_n + logins_module.PER_ADDRESS
-    return args.login_failures, per_address, args.login_window
+    given = dict(per_name=args.login_failures, per_address=per_address,
+                 window_s=args.login_window, per_name_everywhere=args.login_name_failures_everywhere)
+    if args.trusted_proxy:
+        given["trusted_proxies"] = [str(n) for n in logins_module.trusted_networks(args.trusted_proxy)]
+    return given
 
 
 def grader(args) -> str:
@@ -204,7 +222,7 @@ def write(args) -> tuple[pathlib.Path, dict]:
     if args.threads < 1:
         raise ValueError("--threads must be at least 1")
     args.max_servers = max_servers(args)
-    logins_module.LoginLimits(*login_limits(args, len(names) + 1))  # what is wrong with them, before anything is made
+    logins_module.LoginLimits(**login_limits(args, len(names) + 1))  # refused in words before anything is made
     safety.check_network(args)
     if not args.trusted_class:
         safety.check_accounts(names, args.instructor, grader(args))
@@ -436,6 +454,31 @@ def delete(args, parser) -> int:
     return 0
 
 
+def unlock(args, parser) -> int:
+    """--unlock: one file per request in the hub's own folder (0700, the hub's user's); the running
+    hub reads and removes it at its next log-in attempt (ddplab/course/logins.py)."""
+    folder = pathlib.Path(args.folder).resolve()
+    if not (folder / "jupyterhub_config.py").exists():
+        parser.error(f"{folder} holds no class (no jupyterhub_config.py): pass the class's folder")
+    if not (folder / "hub").is_dir():
+        parser.error(f"{folder}'s hub has never started ({folder / 'hub'} is missing): nothing to unlock")
+    names = [n.strip().lower() for n in args.unlock]
+    bad = [n for n in names if not n or len(n) > logins_module.MAX_NAME or not n.isprintable() or " " in n]
+    if bad:
+        parser.error(f"not an account name: {bad[0]!r}")
+    requests = folder / "hub" / "unlock"
+    try:
+        requests.mkdir(mode=0o700, exist_ok=True)
+        tmp = requests.parent / f".unlock-{os.getpid()}"
+        tmp.write_text("\n".join(names) + "\n")
+        tmp.replace(requests / f"{os.getpid()}-{time.time_ns()}")  # whole, never half-written
+    except PermissionError:
+        parser.error(f"cannot write in {folder / 'hub'}: run --unlock as the hub's user (root)")
+    print(f"asked the hub to forget the failed log-ins of {' '.join(names)}: it does so at the next log-in "
+          "attempt (a hub that is not running starts with none counted anyway)")
+    return 0
+
+
 def run(args, parser) -> int:
     if args.plan:
         return plan(args)
@@ -443,6 +486,8 @@ def run(args, parser) -> int:
         parser.error("the class's FOLDER is needed (only --plan goes without one)")
     if args.delete_accounts:
         return delete(args, parser)
+    if args.unlock:
+        return unlock(args, parser)
     if args.passwords_file and os.path.lexists(args.passwords_file):
         parser.error(f"{args.passwords_file} exists: --passwords-file writes a new file only")
     try:

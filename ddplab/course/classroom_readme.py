@@ -52,6 +52,8 @@ Written by `python -m ddplab classroom`. docs/classroom.md in ddplab explains ev
 - Idle servers stop after {args.idle_timeout} s (jupyterhub-idle-culler): their ranks and seat go too.
 {full_line(names, args)}
 - If the hub is killed, its proxy, culler, servers, kernels and ranks stop with it; start it again.
+- Wrong passwords are limited per name and address ("too many failed log-ins ... try again in N s");
+  as root, `{py} -m ddplab classroom {folder} --unlock NAME` clears a name in the running hub.
 
 ## Start and stop
 

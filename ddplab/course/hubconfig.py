@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import sys
 
-from ddplab.course.logins import PER_ADDRESS, PER_NAME, WINDOW_S
+from ddplab.course.logins import LoginLimits
 
 SPAWNERS = ("local", "systemd", "slurm")
 PASSWORD_VARS = ("DDPLAB_HUB_PASSWORD", "DDPLAB_HUB_ADMIN_PASSWORD")  # the one-account mode's
@@ -51,13 +51,14 @@ def render(*, folder: str, learners: list[str], admin: str, gpus_per_learner: in
            idle_timeout: int, ssl_cert: str | None = None, ssl_key: str | None = None,
            python: str = sys.executable, hub_ip: str = "127.0.0.1", time_limit: str = "02:00:00",
            partition: str = "", hub_user: str = "root",
-           login_limits: tuple[int, int, float] = (PER_NAME, PER_ADDRESS, WINDOW_S),
-           max_servers: int | None = None, spawns: int = 2) -> str:
+           login_limits: dict | None = None, max_servers: int | None = None, spawns: int = 2) -> str:
     if spawner not in SPAWNERS:
         raise ValueError(f"spawner must be one of {SPAWNERS}, got {spawner!r}")
     if bool(ssl_cert) != bool(ssl_key):
         raise ValueError("TLS needs both a certificate and its key")
     mem = f"{mem_gib}G" if mem_gib else None
+    login_limits = dict(login_limits or {})
+    LoginLimits(**login_limits)  # refused in words here, never as a config the hub cannot load
     lines = [
         '"""JupyterHub for a ddplab class; written by `python -m ddplab classroom` (edit freely)."""',
         "import os",
@@ -100,7 +101,10 @@ def render(*, folder: str, learners: list[str], admin: str, gpus_per_learner: in
         "# (ddplab/course/logins.py): a burst of them would hold up everybody's log-in.",
         "from ddplab.course.logins import LoginLimits, RateLimitedLogins",
         "",
-        "LIMITS = LoginLimits(per_name={}, per_address={}, window_s={})".format(*login_limits),
+        "# `python -m ddplab classroom FOLDER --unlock NAME` leaves NAME in hub/unlock/; the next",
+        "# log-in attempt reads it and forgets NAME's failures.",
+        "LIMITS = LoginLimits(" + "".join(f"{k}={v!r}, " for k, v in login_limits.items())
+        + "unlock_dir=HERE / 'hub' / 'unlock')",
         "",
         "# Only the roster and the instructor log in: no allow_all (it would override the list).",
         "c.Authenticator.allowed_users = set(LEARNERS) | {INSTRUCTOR}",
@@ -112,8 +116,9 @@ def render(*, folder: str, learners: list[str], admin: str, gpus_per_learner: in
             "# every learner can read the solutions, the gradebook and each other's work.",
             "# One class password for the learners, one for the instructor, from the environment.",
             "# JupyterHub's SharedPasswordAuthenticator wants 8 characters or more, 32 for the admin's.",
-            f"missing = [f'{{v}} ({{n}} characters or more)' for v, n in zip({PASSWORD_VARS!r}, (8, 32))",
-            "           if len(os.environ.get(v, '')) < n]",
+            "missing = [f'{v} ({n} characters or more)' if not os.environ.get(v) else",
+            "           f'a longer {v} ({len(os.environ[v])} characters is too short: {n} or more)'",
+            f"           for v, n in zip({PASSWORD_VARS!r}, (8, 32)) if len(os.environ.get(v, '')) < n]",
             f"if not missing and os.environ[{PASSWORD_VARS[0]!r}] == os.environ[{PASSWORD_VARS[1]!r}]:",
             "    missing = ['two different passwords']",
             "if missing:",

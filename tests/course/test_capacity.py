@@ -178,9 +178,9 @@ def test_the_class_weighs_as_many_processes_as_it_has_servers_never_less(tmp_pat
 
 def test_a_whole_class_behind_one_address_may_log_in_at_once():
     # every log-in counts as failed until PAM answers: the address limit must hold the whole class
-    assert classroom.login_limits(args_for(), 31) == (5, 41, 120.0)
-    assert classroom.login_limits(args_for(login_address_failures=3), 31) == (5, 3, 120.0)
-    assert classroom.login_limits(args_for(login_address_failures=0), 31)[1] == 0  # no limit, as asked
+    assert classroom.login_limits(args_for(), 31)["per_address"] == 41
+    assert classroom.login_limits(args_for(login_address_failures=3), 31)["per_address"] == 3
+    assert classroom.login_limits(args_for(login_address_failures=0), 31)["per_address"] == 0  # no limit, as asked
 
 
 def test_the_instructors_readme_says_the_class_size_and_when_the_roster_is_larger():

@@ -194,8 +194,21 @@ def test_an_account_without_a_password_stops_the_hub_before_it_starts(tmp_path):
         check_logins(["no-such-learner-xyz"], shadow=str(shadow))
     shadow.write_text("root:!$y$j9T$abc:19000:0:99999:7:::\nnobody:*:19000:0:99999:7:::\n")
     for locked in ("root", "nobody"):  # locked, and never set: PAM lets neither in with a password
-        with pytest.raises(AccountError, match=f"{locked} cannot log in with a password"):
+        with pytest.raises(AccountError, match=f"{locked} cannot log in with a password.*`passwd {locked}`"):
             check_logins([locked], shadow=str(shadow))
+    # what pam_unix refuses too: no hash at all, an expired account, a password to change first
+    today = 20000
+    for line, why in [("root:x:19000:0:99999:7:::", "has a password field that is not a hash"),  # usermod -p x
+                      ("root:$y$j9T$abc:19000:0:99999:7::0:", "is expired"),  # chage -E 0
+                      ("root:$y$j9T$abc:19000:0:99999:7::20000:", "is expired"),  # expires today
+                      ("root:$y$j9T$abc:0:0:99999:7:::", "must change its password"),   # chage -d 0
+                      ("root:$y$j9T$abc:19000:0:90:7:::", "has a password past its maximum age")]:
+        shadow.write_text(line + "\n")
+        fix = "chage -E -1 root" if why == "is expired" else "passwd root"
+        with pytest.raises(AccountError, match=f"root {why}.*`{fix}`"):
+            check_logins(["root"], shadow=str(shadow), today=today)
+    shadow.write_text("root:$y$j9T$abc:19990:0:90:7::20001:\nnobody:abcdefghijklm:19000::::::\n")
+    check_logins(["root", "nobody"], shadow=str(shadow), today=today)  # in date; an old DES hash
 
 
 def test_help_names_the_one_account_mode_unsafe():

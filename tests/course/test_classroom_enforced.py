@@ -421,7 +421,7 @@ def test_doctor_says_what_is_enforced_and_what_stands_in(tmp_path, monkeypatch, 
 
 SERVER_C = r"""
 import os
-open("/tmp/from-the-server", "w").write("x")
+open("/tmp/from-the-server-" + os.environ["MARK"], "w").write("x")
 print("cgroups", open("/proc/self/cgroup").read().replace("\n", " "))
 print("tmp", [l.split(" - ")[1].split()[::2] for l in open("/proc/self/mountinfo") if l.split()[4] == "/tmp"])
 print("uid", os.getuid(), flush=True)
@@ -462,8 +462,10 @@ def test_the_hubs_spawner_puts_a_learners_server_in_its_groups_and_namespace(mon
         spawner = hub["SeatedSpawner"](user=SimpleNamespace(name="nobody", url="/user/nobody/"))
         config.Spawner.pre_spawn_hook(spawner)  # take_seat: the seat and the learner's groups
         out = tmp_path / "server.out"
+        mark = tmp_path.name  # a name of this run's: a file another run left in /tmp says nothing
         with open(out, "w") as f:
             server = subprocess.Popen([PYTHON, "-c", SERVER_C], stdout=f, stderr=subprocess.STDOUT,
+                                      env=dict(os.environ, MARK=mark),
                                       preexec_fn=spawner.make_preexec_fn("nobody"), start_new_session=True)
         deadline = time.monotonic() + 60
         while "uid" not in out.read_text() and server.poll() is None and time.monotonic() < deadline:
@@ -474,7 +476,7 @@ def test_the_hubs_spawner_puts_a_learners_server_in_its_groups_and_namespace(mon
             assert re.search(rf":{controller}:/ddplab/{cls}/nobody ", said), (controller, said)
         # a tmpfs of --mem-gib, 0.25 GiB (its mode, 1777, is tmpfs's default: mountinfo leaves it out)
         assert re.search(r"tmp \[\['tmpfs', 'rw,size=262144k\b", said), said
-        assert not os.path.exists("/tmp/from-the-server")
+        assert not os.path.exists(f"/tmp/from-the-server-{mark}")  # written in its private /tmp
         config.Spawner.post_stop_hook(spawner)  # end_learner: every process in the groups ended
         server.wait(timeout=30)
         assert not any(g.exists() for g in limits.groups(cls, "nobody"))
