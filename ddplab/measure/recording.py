@@ -78,7 +78,7 @@ from pathlib import Path
 from ddplab.launchers import jobstore
 from ddplab.measure.recording_end import DESTROYED, FINISH_TIMEOUT_S, UNFINISHED, group_alive, machine
 from ddplab.measure.recording_gather import SideGroup, gather
-from ddplab.measure.recording_hooks import fresh_reducer, python_hook, wrappable
+from ddplab.measure.recording_hooks import fresh_reducer, python_hook, wire_counter, wrappable
 from ddplab.measure.recording_layout import NOT_MEASURED, buckets_from_logging, logged_buckets
 from ddplab.timeline.clock import now
 from ddplab.timeline.recorder import Recorder
@@ -87,6 +87,12 @@ from ddplab.timeline.trace import write_chrome_trace
 
 NOT_ON_DEVICE = ("on NCCL a comm hook's future completes when its all-reduce is queued, so "
                  "its end is not measured: the recorder times only the all-reduce it makes itself")
+
+# What a recorded bucket's two byte counts are (said in the run's meta, beside them)
+BUCKET_BYTES = {"nbytes": "what the bucket held: its gradients' bytes, before any compression",
+                "wire_nbytes": "what went on the wire: the bytes this rank handed to the bucket's "
+                               "collectives (a compressing comm hook's smaller tensor; the payload, "
+                               "not a ring's traffic)"}
 
 
 class RunRecorder:
@@ -117,7 +123,8 @@ class RunRecorder:
                             "requires_grad": p.requires_grad} for n, p in zip(self.names, self.params)],
                 "place": jobstore.place(),  # this rank's job, node and host; rank 0 lists them all
                 # what the page and `ddplab view` label the run by
-                "run_name": None if out is None else Path(out).name, "trainer": trainer}
+                "run_name": None if out is None else Path(out).name, "trainer": trainer,
+                "bucket_bytes": BUCKET_BYTES}
         self.recorder = Recorder("ddp", self.rank, self.world, self.backend, meta)
         # On NCCL a host stamp says when the host queued work, not when the GPU ran it: the
         # GPU's times come from CUDA events (ddplab.timeline.cuda_events), resolved per step.
@@ -155,6 +162,10 @@ class RunRecorder:
         # the one comm-hook slot (ddplab.measure.recording_hooks): a Python hook of yours
         # already there is taken out (a fresh reducer) and called by ours; a built-in one
         # (only torch's logging data remembers it) or mixed_precision='s cannot be
+        from ddplab.pg.group import observing_group
+
+        # a Cluster's ranks (ddplab's observing group): a hook's bytes are counted by the group
+        self._observing = observing_group(self.group)
         self.comm_measured = wrappable(ddp_model)
         if self.comm_measured and python_hook(ddp_model) is not None:
             self._user_hook = python_hook(ddp_model)
@@ -309,44 +320,55 @@ class RunRecorder:
     def _dispatch(state: "RunRecorder", bucket):
         import torch.distributed as dist
 
-        recording = state._recording()
-        if recording:
-            index = bucket.index()
-            ready = [state._ready.get(state._index.get(id(p))) for p in bucket.parameters()]
-            t = now()
-            # the bucket was ready when its last gradient was; a gradient whose own hook has
-            # not run yet (DDP's hook ran first) was ready by the time DDP launched
-            state.recorder.grad_ready(index, max((r for r in ready if r is not None), default=t))
-            state.recorder.launch(index, bucket.buffer().numel() * bucket.buffer().element_size(),
-                                  [state.names[state._index[id(p)]] for p in bucket.parameters()
-                                   if id(p) in state._index], t)
+        if not state._recording():  # between recorded steps: the hook as it would run alone
+            if state._user_hook is not None:
+                hook, user_state = state._user_hook
+                return hook(user_state, bucket)
+            work = dist.all_reduce(bucket.buffer().div_(state.world), group=state.group, async_op=True)
+            return work.get_future().then(_first)  # DDP wants the tensor, not [tensor]
+        index, buffer, t = bucket.index(), bucket.buffer(), now()
+        members = [state._index.get(id(p)) for p in bucket.parameters()]
+        ready = state._ready
+        # the bucket was ready when its last gradient was; a gradient whose own hook has
+        # not run yet (DDP's hook ran first) was ready by the time DDP launched
+        state.recorder.grad_ready(index, max((ready[i] for i in members if i in ready), default=t))
+        held = buffer.numel() * buffer.element_size()  # what the bucket holds (before any compression)
+        b = state.recorder.launch(index, held, [state.names[i] for i in members if i is not None], t)
         if state._user_hook is not None:
+            # what went on the wire is what the hook's collectives were handed: counted at the
+            # dispatcher (ddplab.measure.recording_hooks.wire_counter), read when its future is done
             hook, user_state = state._user_hook
-            fut, unwrap = hook(user_state, bucket), False
+            counter = wire_counter(state._observing)
+            with counter:
+                fut = hook(user_state, bucket)
         else:  # what DDP does without a hook: divide, then SUM (default_hooks.allreduce_hook)
-            tensor = bucket.buffer().div_(state.world)
-            work = dist.all_reduce(tensor, group=state.group, async_op=True)
-            fut = work.get_future()
-            unwrap = True  # a work's future holds [tensor]; DDP wants the tensor
-        if not recording:
-            return fut.then(lambda f: f.value()[0]) if unwrap else fut
-        index = bucket.index()
+            work = dist.all_reduce(buffer.div_(state.world), group=state.group, async_op=True)
+            fut, counter = work.get_future(), None
+            if b is not None:  # the bucket itself went on the wire
+                b.wire_nbytes = held
         if state.timer is not None:
             # NCCL: the future completes when the all-reduce is queued, so its callback
             # would say "enqueued", never "done". The end is an event after work.wait() on
             # a side stream; a hook of yours hands back a future only: not measured then.
-            if state._user_hook is None:
-                state.timer.launched(work, index, "grad", state._grad_events.span(
-                    [state._index.get(id(p)) for p in bucket.parameters()]))
-            else:
-                state.recorder.timeline.meta["comm_end_not_measured"] = NOT_ON_DEVICE
-            return fut.then(lambda f: f.value()[0]) if unwrap else fut
+            if counter is None:
+                state.timer.launched(work, index, "grad", state._grad_events.span(members))
+                return fut.then(_first)
+            state.recorder.timeline.meta["comm_end_not_measured"] = NOT_ON_DEVICE
 
-        def done(f):  # one callback: the stamp and the unwrapping together
+            def counted(f):
+                if b is not None:
+                    b.wire_nbytes = counter.total
+                return f.value()
+
+            return fut.then(counted)
+
+        def done(f):  # one callback: the stamps and the unwrapping together
             t = now()
+            if counter is not None and b is not None:
+                b.wire_nbytes = counter.total
             state.recorder.comm_done(index, t)
             state._last_comm = t if state._last_comm is None else max(state._last_comm, t)
-            return f.value()[0] if unwrap else f.value()
+            return f.value()[0] if counter is None else f.value()
 
         return fut.then(done)
 
@@ -476,6 +498,11 @@ class RunRecorder:
             paths["html"] = out.with_suffix(".html")
             self.write_page(paths["html"], {run_label(self.timeline, out.name): self.timeline})
         return {k: str(v) for k, v in paths.items()}
+
+
+def _first(fut):
+    """A work's future holds [tensor]; DDP's comm hook must hand back the tensor."""
+    return fut.value()[0]
 
 
 def run_label(tl: Timeline, fallback: str) -> str:
