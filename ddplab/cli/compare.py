@@ -41,7 +41,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="bucket cap for bucketed and ddp (default 2: torch's 25 would put the "
                         "default model's 8 MB of gradients in one bucket)")
     link = p.add_mutually_exclusive_group()
-    link.add_argument("--link", help="simulated link preset: 1gbe, 10gbe, 100gb-ib, nvlink")
+    link.add_argument("--link", metavar="PRESET|FILE.json",
+                      help="simulated link: a preset (1gbe, 10gbe, 100gb-ib, nvlink) or a link file "
+                           "written by `python -m ddplab link -o FILE.json` (your own link, measured)")
     link.add_argument("--bandwidth-gbps", type=float, help="simulated link bandwidth, Gbit/s")
     p.add_argument("--latency-us", type=float, help="simulated link latency, microseconds")
     p.add_argument("--straggler", help="RANK:FACTOR, e.g. 1:2.0 (rank 1 computes 2x slower)")
@@ -60,7 +62,7 @@ def spec_from_args(args, parser):
     try:
         link = None
         if args.link:
-            link = LinkModel.preset(args.link)
+            link = link_from_arg(args.link)
         elif args.bandwidth_gbps is not None or args.latency_us is not None:
             if args.bandwidth_gbps is None:
                 parser.error("--latency-us needs --bandwidth-gbps too (or use --link PRESET)")
@@ -78,6 +80,19 @@ def spec_from_args(args, parser):
                        progress=True, batch=batch, loss=loss)
     except (ValueError, TypeError, ImportError, OSError) as e:
         parser.error(str(e))
+
+
+def link_from_arg(text: str):
+    """--link: a link file (read by the loader the what-if uses, which refuses a file edited by
+    hand) when it names one, else a preset."""
+    import os
+
+    from ddplab.measure.link import is_link_file, load_link
+    from ddplab.netsim import LinkModel
+
+    if is_link_file(text) or os.sep in text or "/" in text:
+        return load_link(text)[0]
+    return LinkModel.preset(text)
 
 
 def run(args, parser) -> int:
