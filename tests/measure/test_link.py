@@ -344,25 +344,3 @@ def test_sizes_whose_tensors_would_not_fit_in_memory_are_refused(monkeypatch):
     with pytest.raises(ValueError, match=r"need 4.0 GiB per rank \(2 rank\(s\) here\), more than 80% of the 8.0"):
         check_memory([2 ** 12, 2 ** 32], torch.device("cpu"))
 
-
-def test_compare_takes_a_link_file_as_its_simulated_link_and_refuses_a_wrong_one_in_words(tmp_path, capsys):
-    import argparse
-
-    from ddplab.cli.compare import add_arguments, spec_from_args
-
-    def spec(link):
-        parser = argparse.ArgumentParser(prog="python -m ddplab compare")
-        add_arguments(parser)
-        return spec_from_args(parser.parse_args(["--link", link]), parser)
-
-    path = measured_file(tmp_path / "mine.json")
-    link = spec(path).link
-    assert (link.bandwidth_gbps, link.latency_us) == pytest.approx((MEASURED.bandwidth_gbps, MEASURED.latency_us))
-    assert "measured by ddplab link" in link.label
-    assert spec("10gbe").link.label == LinkModel.preset("10gbe").label  # presets as before
-    for wrong, words in ((str(tmp_path / "nope.json"), "no link file"), (str(tmp_path), "is a folder"),
-                         (edited(measured_file(tmp_path / "e.json"), fit__latency_us=1.0), "is not what its measured"),
-                         ("10gbit", "unknown link preset")):
-        with pytest.raises(SystemExit):
-            spec(wrong)
-        assert words in capsys.readouterr().err, wrong
