@@ -136,6 +136,14 @@ class RunRecorder:
             self.timer = self.recorder.device_timer = CudaStamps(on)
             self._grad_events = GradEvents(self.timer)
         self.grads: list[GradRecord] = []
+        # On the CPU path a gradient's hook keeps (step, parameter, time) only: the records are
+        # made at the end, off the training step (ddplab.record's hooks run in every backward)
+        self._grad_times: list[tuple] = []
+        self._nbytes = [p.numel() * p.element_size() for p in self.params]
+        self._last_grad = None  # this step's last gradient: where its backward ended
+        import torch
+
+        self._grad_enabled = torch.is_grad_enabled
         self.step = 0  # optimizer steps completed since record() (the step being run)
         self.started = -1  # the last step whose first forward has run
         self._micro = 0  # forwards with a backward (micro-steps) in this step so far
@@ -203,9 +211,7 @@ class RunRecorder:
     def _forward_start(self, module, args):
         if self.finished:
             return
-        import torch
-
-        if not torch.is_grad_enabled():  # validation, a sanity check: no backward follows
+        if not self._grad_enabled():  # validation, a sanity check: no backward follows
             self._eval_t0 = now()
             return
         if self._synced and not self._stepper_seen:
@@ -217,6 +223,7 @@ class RunRecorder:
         if self._micro == 0 and self._recording():
             self.recorder.begin_iteration(self.step)
             self._ready, self._last_comm, self._nosync, self._step_t0 = {}, None, None, None
+            self._last_grad = None
         self._micro += 1
         self.started = self.step
         self._sync_now = self.ddp.require_backward_grad_sync
@@ -233,9 +240,7 @@ class RunRecorder:
     def _forward_end(self, module, args, output):
         if self.finished:
             return
-        import torch
-
-        if not torch.is_grad_enabled():
+        if not self._grad_enabled():
             if self._recording():
                 self._evals.append([self.step, getattr(self, "_eval_t0", None), now()])
             return
@@ -267,13 +272,20 @@ class RunRecorder:
         if self._recording():
             t = now()
             i = self._index[id(param)]
-            self._ready[i] = t
-            self.grads.append(GradRecord(self.rank, self.step, i,
-                                         param.numel() * param.element_size(), t))
-            if self.timer is not None:  # on the stream that made the gradient, after it
-                event = self._grad_events.ready(i, self.grads[-1])
-                self.timer.add_phase("backward", self._backward_e0, event)  # the last one counts
-            self.recorder.set_phase("backward", self._backward_t0, t, "derived")
+            self._ready[i] = self._last_grad = t
+            if self.timer is None:
+                self._grad_times.append((self.step, i, t))
+                return
+            self.grads.append(GradRecord(self.rank, self.step, i, self._nbytes[i], t))
+            # on the stream that made the gradient, after it
+            event = self._grad_events.ready(i, self.grads[-1])
+            self.timer.add_phase("backward", self._backward_e0, event)  # the last one counts
+
+    def _set_backward(self) -> None:
+        """The step's backward: from the end of its forward to its last gradient (set once,
+        at the step's end, not at every gradient)."""
+        if self._last_grad is not None and getattr(self, "_backward_t0", None) is not None:
+            self.recorder.set_phase("backward", self._backward_t0, self._last_grad, "derived")
 
     def _holds(self, optimizer) -> bool:
         """Whether ``optimizer`` steps this model's parameters (the hooks are global)."""
@@ -304,6 +316,7 @@ class RunRecorder:
 
     def _end_step(self) -> None:
         if self._recording():
+            self._set_backward()
             self._close_wait()
             if self._nosync is not None:
                 self.recorder.set_phase("no_sync", self._nosync[0], self._nosync[1], "cpu")
@@ -426,6 +439,8 @@ class RunRecorder:
         # With a hook of yours, ours stays in front of it and only forwards (its name is what
         # DDP's logging data says): a fresh reducer would lay the buckets out again, and a
         # hook that keeps state per bucket (PowerSGD's error feedback) would start over.
+        if self.step in self.steps:  # a step cut short by finish(): what it had so far
+            self._set_backward()
         self._close_wait()
         part = self.recorder.result()  # on NCCL: synchronizes and resolves the events
         if self.timer is not None:
@@ -433,10 +448,11 @@ class RunRecorder:
 
             self._grad_events.resolve()
             waits_from_buckets(part)
-        part.grads = self.grads
+        part.grads = self.grads  # the CPU path's are made on the thread (_grad_records)
         part.meta.update(micro_steps={str(k): v for k, v in self._micro_steps.items()},
                          steps_are="optimizer steps", forwards_without_backward=self._evals)
         if not self.comm_measured:
+            self._grad_records()  # read by the layout's ready times
             buckets_from_logging(self, part)
         # Not a daemon: the interpreter waits for it before it exits (and so does
         # ddplab.launchers.torchrun.finish before its os._exit).
@@ -447,6 +463,7 @@ class RunRecorder:
     def _gather_and_write(self, part, meta: dict, timeout: float, waited_for: bool) -> None:
         """On the recorder's thread: the gathering (on its own group), then the files (rank 0)."""
         try:
+            self._grad_records()
             start = now()
             clock, parts = gather(part.to_dict(), self.side, timeout)
             meta["gathered"] = [start, now()]  # on rank 0's clock: after the last recorded step
@@ -470,6 +487,13 @@ class RunRecorder:
                 self.paths = self.save(self.out)
             except BaseException as e:  # said by wait(); a thread's error would go to stderr only
                 self._write_error = e
+
+    def _grad_records(self) -> None:
+        """The CPU path's gradient stamps as GradRecords (kept as tuples while training ran)."""
+        times = getattr(self, "_grad_times", None)  # a fully_shard recorder keeps none
+        if times:
+            self.grads += [GradRecord(self.rank, step, i, self._nbytes[i], t) for step, i, t in times]
+            self._grad_times = []
 
     def wait(self, timeout: float | None = None) -> dict:
         """Wait for finish()'s gathering and files (rank 0 writes them in the background):

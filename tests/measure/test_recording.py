@@ -314,13 +314,24 @@ def meet_alone_then_together(timeout):
         # failed meeting (its port closed since): it must not be read as this meeting's
         time.sleep(0.5)
     side = SideGroup(dist.group.WORLD, timeout)  # the count at the store is whole again
-    return said, side.all_gather_object(dist.get_rank())
+    parts = side.all_gather_object(dist.get_rank())
+    # the gathering's first barrier passed: the meeting's key of spoiled tries leaves the store
+    from torch.distributed.distributed_c10d import _get_default_store
+
+    from ddplab.measure.recording_gather import gather
+
+    store = _get_default_store()
+    held = store.check([side._spoiled])
+    gather({"rank": dist.get_rank()}, side, timeout)
+    dist.barrier()
+    return said, parts, (held, store.check([side._spoiled]))
 
 
 @pytest.mark.more  # a Cluster job: about 4 s here
 def test_record_on_one_rank_only_says_so_and_the_next_record_still_meets(cluster2):
-    (said, parts), (none, _) = cluster2.run(meet_alone_then_together, 2.0)
+    (said, parts, keys), (none, _, _) = cluster2.run(meet_alone_then_together, 2.0)
     assert none is None and parts == [0, 1]
+    assert keys == (True, False)  # the spoiled count was there for the meeting, and went after it
     assert said.startswith("ddplab.record() on rank 0: the other ranks did not call ddplab.record() "
                            "within 2 s")
     assert said.endswith("call it on every rank, at the same point of your script")
