@@ -90,9 +90,11 @@ NOT_ON_DEVICE = ("on NCCL a comm hook's future completes when its all-reduce is 
 
 # What a recorded bucket's two byte counts are (said in the run's meta, beside them)
 BUCKET_BYTES = {"nbytes": "what the bucket held: its gradients' bytes, before any compression",
-                "wire_nbytes": "what went on the wire: the bytes this rank handed to the bucket's "
-                               "collectives (a compressing comm hook's smaller tensor; the payload, "
-                               "not a ring's traffic)"}
+                "wire_nbytes": "what went on the wire: the bytes this rank handed to the collectives "
+                               "the comm hook called while it ran (a compressing hook's smaller tensor; "
+                               "the payload, not a ring's traffic). Collectives a hook launches later "
+                               "from its futures' callbacks (PowerSGD's P and Q) may be missed: a "
+                               "lower bound for such a hook"}
 
 
 class RunRecorder:

@@ -25,6 +25,10 @@ rank's next gradient all-reduce. So it gathers on a second group, used by that t
   take it away while the gather may still run. This one outlives it; its threads end when
   the recorder lets go of it (after the gather).
 
+Once every rank has passed the gathering's first barrier, rank 0 deletes the meeting's count
+of spoiled tries from the store (each rank read it before making the group); the count of
+meetings stays, since it numbers the next one.
+
 Then, on a thread of the recorder's own: a barrier whose own time limit is finish()'s
 ``timeout`` (a rank that never finishes is said in words, not waited for until the group's
 timeout), 9 rounds of clock readings (``ddplab.timeline.clock``), and the parts, gathered

@@ -112,10 +112,11 @@ def _wire_bytes_class():
     all-reduced) sends fewer bytes than its bucket holds, and only the collectives it calls
     know how many. Every c10d collective goes through torch's dispatcher (``c10d::allreduce_``
     and its kin), so a ``TorchDispatchMode`` entered around the hook sees each one with its
-    tensors. The mode is part of the thread-local state torch hands to a future's callbacks
-    (``Future.then``), so collectives a hook chains after the first (PowerSGD's) are counted
-    too, when they run. Counted: the payload this rank hands over (numel x element size),
-    as ``ddplab.pg.inner.payload_bytes`` counts it, not a ring's traffic."""
+    tensors. The mode is thread-local: a collective a hook chains on its futures (PowerSGD's
+    P and Q all-reduces) is seen only when torch runs that callback at once, on this thread
+    (its future was already done); run later on gloo's thread, it is not. So for such a hook
+    the count is a lower bound. Counted: the payload this rank hands over (numel x element size), as
+    ``ddplab.pg.inner.payload_bytes`` counts it, not a ring's traffic."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     class WireBytes(TorchDispatchMode):

@@ -140,11 +140,11 @@ def test_recorded_buckets_equal_torchs_logging_data(cluster2, case):
     for b in (b for b in tl.buckets if "no_sync" not in tl.iteration(b.rank, b.iteration).flags):
         if case in ("fp16_hook", "hook_before"):  # fp16_compress_hook: the float32 bucket as fp16
             assert b.wire_nbytes * 2 == b.nbytes, b
-        elif case == "powersgd_hook":  # counted in the callbacks it chains: P, Q, the 1-D tensors
+        elif case == "powersgd_hook":  # its own call's all-reduce only (P and Q come in callbacks)
             assert 0 < b.wire_nbytes, b
         else:
             assert b.wire_nbytes == b.nbytes, b
-    if case == "powersgd_hook":  # compressing from its step 2 on (start_powerSGD_iter=2)
+    if case == "powersgd_hook":  # compressing from its step 2 on: the 1-D tensors, a lower bound
         assert tl.buckets_of(0, 5)[0].wire_nbytes < tl.buckets_of(0, 5)[0].nbytes
     # after finish() the hook slot is as it was: yours, or none, in DDP's own logging data
     plain_hook, recorded_hook = r0["hooks"]
