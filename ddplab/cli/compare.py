@@ -15,33 +15,39 @@ from __future__ import annotations
 import argparse
 import sys
 
+# RunSpec's defaults, said here so that --help and a bad argument need no torch (importing
+# ddplab.measure imports it: seconds); tests/measure/test_compare.py checks they are RunSpec's
+DEFAULTS = {"world_size": 2, "strategies": "none,manual,bucketed,ddp", "steps": 10, "warmup": 3,
+            "model": "mlp", "params": 2e6, "depth": 4, "batch_size": 32, "bucket_cap_mb": 2.0}
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from ddplab.measure.spec import RunSpec
-    from ddplab.sync.registry import strategy_names
-
-    p.add_argument("--world-size", type=int, default=RunSpec.world_size)
-    p.add_argument("--strategies", default=",".join(RunSpec.strategies),
-                   help=f"comma-separated subset of: {','.join(strategy_names())}")
+    d = DEFAULTS
+    p.add_argument("--world-size", type=int, default=d["world_size"])
+    p.add_argument("--strategies", default=d["strategies"],
+                   help="comma-separated strategy names (default %(default)s; an unknown name is "
+                        "answered with the list of them)")
     p.add_argument("--strategy", action="append", default=[], metavar="FILE.py:NAME",
                    help="also run a strategy defined in a file (or module:NAME); repeatable")
-    p.add_argument("--steps", type=int, default=RunSpec.steps, help="measured steps after warm-up (>= 1)")
-    p.add_argument("--warmup", type=int, default=RunSpec.warmup)
-    p.add_argument("--model", default=RunSpec.model, metavar="NAME|FILE.py:FUNC",
+    p.add_argument("--steps", type=int, default=d["steps"], help="measured steps after warm-up (>= 1)")
+    p.add_argument("--warmup", type=int, default=d["warmup"])
+    p.add_argument("--model", default=d["model"], metavar="NAME|FILE.py:FUNC",
                    help="mlp, convnet, transformer, or your own model() function in a file")
     p.add_argument("--batch", metavar="FILE.py:FUNC",
                    help="your batch(batch_size, rank, step) -> (inputs, target); needed with "
                         "your own --model")
     p.add_argument("--loss", metavar="FILE.py:FUNC",
                    help="your loss(output, target) -> scalar (default: cross-entropy)")
-    p.add_argument("--params", type=float, default=RunSpec.n_params, help="MLP parameter count (e.g. 2e7)")
-    p.add_argument("--depth", type=int, default=RunSpec.depth, help="MLP layers")
-    p.add_argument("--batch-size", type=int, default=RunSpec.batch_size)
-    p.add_argument("--bucket-cap-mb", type=float, default=RunSpec.bucket_cap_mb,
+    p.add_argument("--params", type=float, default=d["params"], help="MLP parameter count (e.g. 2e7)")
+    p.add_argument("--depth", type=int, default=d["depth"], help="MLP layers")
+    p.add_argument("--batch-size", type=int, default=d["batch_size"])
+    p.add_argument("--bucket-cap-mb", type=float, default=d["bucket_cap_mb"],
                    help="bucket cap for bucketed and ddp (default 2: torch's 25 would put the "
                         "default model's 8 MB of gradients in one bucket)")
     link = p.add_mutually_exclusive_group()
-    link.add_argument("--link", help="simulated link preset: 1gbe, 10gbe, 100gb-ib, nvlink")
+    link.add_argument("--link", metavar="PRESET|FILE.json",
+                      help="simulated link: a preset (1gbe, 10gbe, 100gb-ib, nvlink) or a link file "
+                           "written by `python -m ddplab link -o FILE.json` (your own link, measured)")
     link.add_argument("--bandwidth-gbps", type=float, help="simulated link bandwidth, Gbit/s")
     p.add_argument("--latency-us", type=float, help="simulated link latency, microseconds")
     p.add_argument("--straggler", help="RANK:FACTOR, e.g. 1:2.0 (rank 1 computes 2x slower)")
@@ -60,7 +66,7 @@ def spec_from_args(args, parser):
     try:
         link = None
         if args.link:
-            link = LinkModel.preset(args.link)
+            link = link_from_arg(args.link)
         elif args.bandwidth_gbps is not None or args.latency_us is not None:
             if args.bandwidth_gbps is None:
                 parser.error("--latency-us needs --bandwidth-gbps too (or use --link PRESET)")
@@ -78,6 +84,19 @@ def spec_from_args(args, parser):
                        progress=True, batch=batch, loss=loss)
     except (ValueError, TypeError, ImportError, OSError) as e:
         parser.error(str(e))
+
+
+def link_from_arg(text: str):
+    """--link: a link file (read by the loader the what-if uses, which refuses a file edited by
+    hand) when it names one, else a preset."""
+    import os
+
+    from ddplab.measure.link import is_link_file, load_link
+    from ddplab.netsim import LinkModel
+
+    if is_link_file(text) or os.sep in text or "/" in text:
+        return load_link(text)[0]
+    return LinkModel.preset(text)
 
 
 def run(args, parser) -> int:

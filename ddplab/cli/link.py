@@ -70,11 +70,11 @@ def whole_number(least: int):
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from ddplab.measure.link import DEFAULT_SIZES
-
+    # no ddplab.measure import here: it imports torch (seconds), which --help and a bad
+    # argument have no need to wait for; the default sizes are filled in by run()
     parser.add_argument("-o", "--out", default="link.json",
                         help="where rank 0 writes the measurement (default link.json)")
-    parser.add_argument("--sizes", type=parse_sizes, default=list(DEFAULT_SIZES),
+    parser.add_argument("--sizes", type=parse_sizes, default=None,
                         help="all-reduce sizes in bytes, comma-separated (K, M, G: KiB, MiB, GiB); "
                              "default 4K,16K,64K,256K,1M,4M,16M,64M")
     parser.add_argument("--repeats", type=whole_number(1), default=7,
@@ -141,12 +141,14 @@ def run(args) -> int:
     if why:
         raise SystemExit(why)  # one line, exit code 1, before torch is imported
     from ddplab.launchers.torchrun import finish, init_from_env
-    from ddplab.measure.link import measure_link
+    from ddplab.measure.link import DEFAULT_SIZES, measure_link
+
+    sizes = list(DEFAULT_SIZES) if args.sizes is None else args.sizes
 
     rank = os.environ["RANK"]
     try:
         init_from_env(backend=args.backend, timeout=args.timeout)
-        m = measure_link(sizes_bytes=args.sizes, repeats=args.repeats, warmup=args.warmup,
+        m = measure_link(sizes_bytes=sizes, repeats=args.repeats, warmup=args.warmup,
                          out=out if rank == "0" else None)
         if rank == "0":
             print(report(m, out), flush=True)

@@ -147,7 +147,7 @@ def _link_samples(samples) -> list:
             # queued behind the previous one: count from its end; gloo may also run two
             # all-reduces at once (finishing out of order): then count the whole interval
             start = max(iv[0], free) if free < iv[1] else iv[0]
-            out.append((b.nbytes, iv[1] - start))
+            out.append((b.sent_bytes(), iv[1] - start))  # what went on the wire
             free = max(free, iv[1])
     return out
 

@@ -78,7 +78,7 @@ from pathlib import Path
 from ddplab.launchers import jobstore
 from ddplab.measure.recording_end import DESTROYED, FINISH_TIMEOUT_S, UNFINISHED, group_alive, machine
 from ddplab.measure.recording_gather import SideGroup, gather
-from ddplab.measure.recording_hooks import fresh_reducer, python_hook, wrappable
+from ddplab.measure.recording_hooks import fresh_reducer, python_hook, wire_counter, wrappable
 from ddplab.measure.recording_layout import NOT_MEASURED, buckets_from_logging, logged_buckets
 from ddplab.timeline.clock import now
 from ddplab.timeline.recorder import Recorder
@@ -87,6 +87,14 @@ from ddplab.timeline.trace import write_chrome_trace
 
 NOT_ON_DEVICE = ("on NCCL a comm hook's future completes when its all-reduce is queued, so "
                  "its end is not measured: the recorder times only the all-reduce it makes itself")
+
+# What a recorded bucket's two byte counts are (said in the run's meta, beside them)
+BUCKET_BYTES = {"nbytes": "what the bucket held: its gradients' bytes, before any compression",
+                "wire_nbytes": "what went on the wire: the bytes this rank handed to the collectives "
+                               "the comm hook called while it ran (a compressing hook's smaller tensor; "
+                               "the payload, not a ring's traffic). Collectives a hook launches later "
+                               "from its futures' callbacks (PowerSGD's P and Q) may be missed: a "
+                               "lower bound for such a hook"}
 
 
 class RunRecorder:
@@ -117,7 +125,8 @@ class RunRecorder:
                             "requires_grad": p.requires_grad} for n, p in zip(self.names, self.params)],
                 "place": jobstore.place(),  # this rank's job, node and host; rank 0 lists them all
                 # what the page and `ddplab view` label the run by
-                "run_name": None if out is None else Path(out).name, "trainer": trainer}
+                "run_name": None if out is None else Path(out).name, "trainer": trainer,
+                "bucket_bytes": BUCKET_BYTES}
         self.recorder = Recorder("ddp", self.rank, self.world, self.backend, meta)
         # On NCCL a host stamp says when the host queued work, not when the GPU ran it: the
         # GPU's times come from CUDA events (ddplab.timeline.cuda_events), resolved per step.
@@ -129,6 +138,14 @@ class RunRecorder:
             self.timer = self.recorder.device_timer = CudaStamps(on)
             self._grad_events = GradEvents(self.timer)
         self.grads: list[GradRecord] = []
+        # On the CPU path a gradient's hook keeps (step, parameter, time) only: the records are
+        # made at the end, off the training step (ddplab.record's hooks run in every backward)
+        self._grad_times: list[tuple] = []
+        self._nbytes = [p.numel() * p.element_size() for p in self.params]
+        self._last_grad = None  # this step's last gradient: where its backward ended
+        import torch
+
+        self._grad_enabled = torch.is_grad_enabled
         self.step = 0  # optimizer steps completed since record() (the step being run)
         self.started = -1  # the last step whose first forward has run
         self._micro = 0  # forwards with a backward (micro-steps) in this step so far
@@ -155,6 +172,10 @@ class RunRecorder:
         # the one comm-hook slot (ddplab.measure.recording_hooks): a Python hook of yours
         # already there is taken out (a fresh reducer) and called by ours; a built-in one
         # (only torch's logging data remembers it) or mixed_precision='s cannot be
+        from ddplab.pg.group import observing_group
+
+        # a Cluster's ranks (ddplab's observing group): a hook's bytes are counted by the group
+        self._observing = observing_group(self.group)
         self.comm_measured = wrappable(ddp_model)
         if self.comm_measured and python_hook(ddp_model) is not None:
             self._user_hook = python_hook(ddp_model)
@@ -192,9 +213,7 @@ class RunRecorder:
     def _forward_start(self, module, args):
         if self.finished:
             return
-        import torch
-
-        if not torch.is_grad_enabled():  # validation, a sanity check: no backward follows
+        if not self._grad_enabled():  # validation, a sanity check: no backward follows
             self._eval_t0 = now()
             return
         if self._synced and not self._stepper_seen:
@@ -206,6 +225,7 @@ class RunRecorder:
         if self._micro == 0 and self._recording():
             self.recorder.begin_iteration(self.step)
             self._ready, self._last_comm, self._nosync, self._step_t0 = {}, None, None, None
+            self._last_grad = None
         self._micro += 1
         self.started = self.step
         self._sync_now = self.ddp.require_backward_grad_sync
@@ -222,9 +242,7 @@ class RunRecorder:
     def _forward_end(self, module, args, output):
         if self.finished:
             return
-        import torch
-
-        if not torch.is_grad_enabled():
+        if not self._grad_enabled():
             if self._recording():
                 self._evals.append([self.step, getattr(self, "_eval_t0", None), now()])
             return
@@ -256,13 +274,20 @@ class RunRecorder:
         if self._recording():
             t = now()
             i = self._index[id(param)]
-            self._ready[i] = t
-            self.grads.append(GradRecord(self.rank, self.step, i,
-                                         param.numel() * param.element_size(), t))
-            if self.timer is not None:  # on the stream that made the gradient, after it
-                event = self._grad_events.ready(i, self.grads[-1])
-                self.timer.add_phase("backward", self._backward_e0, event)  # the last one counts
-            self.recorder.set_phase("backward", self._backward_t0, t, "derived")
+            self._ready[i] = self._last_grad = t
+            if self.timer is None:
+                self._grad_times.append((self.step, i, t))
+                return
+            self.grads.append(GradRecord(self.rank, self.step, i, self._nbytes[i], t))
+            # on the stream that made the gradient, after it
+            event = self._grad_events.ready(i, self.grads[-1])
+            self.timer.add_phase("backward", self._backward_e0, event)  # the last one counts
+
+    def _set_backward(self) -> None:
+        """The step's backward: from the end of its forward to its last gradient (set once,
+        at the step's end, not at every gradient)."""
+        if self._last_grad is not None and getattr(self, "_backward_t0", None) is not None:
+            self.recorder.set_phase("backward", self._backward_t0, self._last_grad, "derived")
 
     def _holds(self, optimizer) -> bool:
         """Whether ``optimizer`` steps this model's parameters (the hooks are global)."""
@@ -293,6 +318,7 @@ class RunRecorder:
 
     def _end_step(self) -> None:
         if self._recording():
+            self._set_backward()
             self._close_wait()
             if self._nosync is not None:
                 self.recorder.set_phase("no_sync", self._nosync[0], self._nosync[1], "cpu")
@@ -309,44 +335,55 @@ class RunRecorder:
     def _dispatch(state: "RunRecorder", bucket):
         import torch.distributed as dist
 
-        recording = state._recording()
-        if recording:
-            index = bucket.index()
-            ready = [state._ready.get(state._index.get(id(p))) for p in bucket.parameters()]
-            t = now()
-            # the bucket was ready when its last gradient was; a gradient whose own hook has
-            # not run yet (DDP's hook ran first) was ready by the time DDP launched
-            state.recorder.grad_ready(index, max((r for r in ready if r is not None), default=t))
-            state.recorder.launch(index, bucket.buffer().numel() * bucket.buffer().element_size(),
-                                  [state.names[state._index[id(p)]] for p in bucket.parameters()
-                                   if id(p) in state._index], t)
+        if not state._recording():  # between recorded steps: the hook as it would run alone
+            if state._user_hook is not None:
+                hook, user_state = state._user_hook
+                return hook(user_state, bucket)
+            work = dist.all_reduce(bucket.buffer().div_(state.world), group=state.group, async_op=True)
+            return work.get_future().then(_first)  # DDP wants the tensor, not [tensor]
+        index, buffer, t = bucket.index(), bucket.buffer(), now()
+        members = [state._index.get(id(p)) for p in bucket.parameters()]
+        ready = state._ready
+        # the bucket was ready when its last gradient was; a gradient whose own hook has
+        # not run yet (DDP's hook ran first) was ready by the time DDP launched
+        state.recorder.grad_ready(index, max((ready[i] for i in members if i in ready), default=t))
+        held = buffer.numel() * buffer.element_size()  # what the bucket holds (before any compression)
+        b = state.recorder.launch(index, held, [state.names[i] for i in members if i is not None], t)
         if state._user_hook is not None:
+            # what went on the wire is what the hook's collectives were handed: counted at the
+            # dispatcher (ddplab.measure.recording_hooks.wire_counter), read when its future is done
             hook, user_state = state._user_hook
-            fut, unwrap = hook(user_state, bucket), False
+            counter = wire_counter(state._observing)
+            with counter:
+                fut = hook(user_state, bucket)
         else:  # what DDP does without a hook: divide, then SUM (default_hooks.allreduce_hook)
-            tensor = bucket.buffer().div_(state.world)
-            work = dist.all_reduce(tensor, group=state.group, async_op=True)
-            fut = work.get_future()
-            unwrap = True  # a work's future holds [tensor]; DDP wants the tensor
-        if not recording:
-            return fut.then(lambda f: f.value()[0]) if unwrap else fut
-        index = bucket.index()
+            work = dist.all_reduce(buffer.div_(state.world), group=state.group, async_op=True)
+            fut, counter = work.get_future(), None
+            if b is not None:  # the bucket itself went on the wire
+                b.wire_nbytes = held
         if state.timer is not None:
             # NCCL: the future completes when the all-reduce is queued, so its callback
             # would say "enqueued", never "done". The end is an event after work.wait() on
             # a side stream; a hook of yours hands back a future only: not measured then.
-            if state._user_hook is None:
-                state.timer.launched(work, index, "grad", state._grad_events.span(
-                    [state._index.get(id(p)) for p in bucket.parameters()]))
-            else:
-                state.recorder.timeline.meta["comm_end_not_measured"] = NOT_ON_DEVICE
-            return fut.then(lambda f: f.value()[0]) if unwrap else fut
+            if counter is None:
+                state.timer.launched(work, index, "grad", state._grad_events.span(members))
+                return fut.then(_first)
+            state.recorder.timeline.meta["comm_end_not_measured"] = NOT_ON_DEVICE
 
-        def done(f):  # one callback: the stamp and the unwrapping together
+            def counted(f):
+                if b is not None:
+                    b.wire_nbytes = counter.total
+                return f.value()
+
+            return fut.then(counted)
+
+        def done(f):  # one callback: the stamps and the unwrapping together
             t = now()
+            if counter is not None and b is not None:
+                b.wire_nbytes = counter.total
             state.recorder.comm_done(index, t)
             state._last_comm = t if state._last_comm is None else max(state._last_comm, t)
-            return f.value()[0] if unwrap else f.value()
+            return f.value()[0] if counter is None else f.value()
 
         return fut.then(done)
 
@@ -404,6 +441,8 @@ class RunRecorder:
         # With a hook of yours, ours stays in front of it and only forwards (its name is what
         # DDP's logging data says): a fresh reducer would lay the buckets out again, and a
         # hook that keeps state per bucket (PowerSGD's error feedback) would start over.
+        if self.step in self.steps:  # a step cut short by finish(): what it had so far
+            self._set_backward()
         self._close_wait()
         part = self.recorder.result()  # on NCCL: synchronizes and resolves the events
         if self.timer is not None:
@@ -411,10 +450,11 @@ class RunRecorder:
 
             self._grad_events.resolve()
             waits_from_buckets(part)
-        part.grads = self.grads
+        part.grads = self.grads  # the CPU path's are made on the thread (_grad_records)
         part.meta.update(micro_steps={str(k): v for k, v in self._micro_steps.items()},
                          steps_are="optimizer steps", forwards_without_backward=self._evals)
         if not self.comm_measured:
+            self._grad_records()  # read by the layout's ready times
             buckets_from_logging(self, part)
         # Not a daemon: the interpreter waits for it before it exits (and so does
         # ddplab.launchers.torchrun.finish before its os._exit).
@@ -425,6 +465,7 @@ class RunRecorder:
     def _gather_and_write(self, part, meta: dict, timeout: float, waited_for: bool) -> None:
         """On the recorder's thread: the gathering (on its own group), then the files (rank 0)."""
         try:
+            self._grad_records()
             start = now()
             clock, parts = gather(part.to_dict(), self.side, timeout)
             meta["gathered"] = [start, now()]  # on rank 0's clock: after the last recorded step
@@ -448,6 +489,13 @@ class RunRecorder:
                 self.paths = self.save(self.out)
             except BaseException as e:  # said by wait(); a thread's error would go to stderr only
                 self._write_error = e
+
+    def _grad_records(self) -> None:
+        """The CPU path's gradient stamps as GradRecords (kept as tuples while training ran)."""
+        times = getattr(self, "_grad_times", None)  # a fully_shard recorder keeps none
+        if times:
+            self.grads += [GradRecord(self.rank, step, i, self._nbytes[i], t) for step, i, t in times]
+            self._grad_times = []
 
     def wait(self, timeout: float | None = None) -> dict:
         """Wait for finish()'s gathering and files (rank 0 writes them in the background):
@@ -476,6 +524,11 @@ class RunRecorder:
             paths["html"] = out.with_suffix(".html")
             self.write_page(paths["html"], {run_label(self.timeline, out.name): self.timeline})
         return {k: str(v) for k, v in paths.items()}
+
+
+def _first(fut):
+    """A work's future holds [tensor]; DDP's comm hook must hand back the tensor."""
+    return fut.value()[0]
 
 
 def run_label(tl: Timeline, fallback: str) -> str:

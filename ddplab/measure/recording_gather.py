@@ -25,6 +25,10 @@ rank's next gradient all-reduce. So it gathers on a second group, used by that t
   take it away while the gather may still run. This one outlives it; its threads end when
   the recorder lets go of it (after the gather).
 
+Once every rank has passed the gathering's first barrier, rank 0 deletes the meeting's count
+of spoiled tries from the store (each rank read it before making the group); the count of
+meetings stays, since it numbers the next one.
+
 Then, on a thread of the recorder's own: a barrier whose own time limit is finish()'s
 ``timeout`` (a rank that never finishes is said in words, not waited for until the group's
 timeout), 9 rounds of clock readings (``ddplab.timeline.clock``), and the parts, gathered
@@ -71,6 +75,7 @@ class SideGroup:
         # spoils the name first, and the ranks meet under the number of spoiled tries too.
         spoiled = f"{key}/{meeting}/spoiled"
         name = f"{key}/{meeting}/{store.add(spoiled, 0)}/"
+        self._store, self._spoiled = store, spoiled
         try:
             self.pg = dist.ProcessGroupGloo(dist.PrefixStore(name, store), self.rank,
                                             self.world, timedelta(seconds=timeout))
@@ -83,6 +88,17 @@ class SideGroup:
                 f"within {timeout:g} s ({e}). It makes a gloo group of its own for the recording's "
                 "gathering, which every rank joins: call it on every rank, at the same point of "
                 "your script") from e
+
+    def forget_meeting(self) -> None:
+        """Rank 0, once every rank has passed the gathering's first barrier: the meeting's
+        count of spoiled tries goes from the store (every rank read it before making the group,
+        and the next meeting has a number of its own). The count of meetings stays: it numbers
+        the next one. The addresses gloo posted under the group's prefix stay too: their names
+        are gloo's own, and a store cannot list keys."""
+        try:
+            self._store.delete_key(self._spoiled)
+        except (RuntimeError, NotImplementedError):  # a store that cannot delete: one key left
+            pass
 
     def barrier(self, timeout: float) -> None:
         """A barrier that gives up after ``timeout`` seconds (its own limit, not the group's)."""
@@ -133,6 +149,8 @@ def gather(part: dict, side: SideGroup, timeout: float):
     at most. A rank that died makes the collectives fail; said the same way."""
     try:
         side.barrier(timeout)
+        if side.rank == 0:  # every rank has made the group: its meeting's key can go
+            side.forget_meeting()
         clock = side.clock()
         parts = side.all_gather_object(part)
     except RuntimeError as e:

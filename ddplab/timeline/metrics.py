@@ -73,7 +73,7 @@ def iteration_metrics(tl: Timeline, rank: int, iteration: int) -> dict:
         "comm_s": comm_s,
         "exposed_comm_s": exposed,
         "overlap_s": overlap,
-        "bytes": sum(b.nbytes for b in buckets),
+        "bytes": sum(b.sent_bytes() for b in buckets),  # on the wire (a compressing hook: less)
         "n_buckets": len(buckets),
     }
 

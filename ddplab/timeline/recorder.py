@@ -147,7 +147,8 @@ class Recorder:
             b.grads_ready = t
             b.sources["grads_ready"] = source
 
-    def launch(self, index: int, nbytes: int, params=(), t: float | None = None) -> None:
+    def launch(self, index: int, nbytes: int, params=(), t: float | None = None) -> BucketRecord | None:
+        """The bucket handed to the backend; its record (None outside an iteration)."""
         b = self._bucket(index)
         if b is not None:
             b.launch = now() if t is None else t
@@ -158,6 +159,7 @@ class Recorder:
             if b.grads_ready is None:  # manual strategies: ready = launched after backward
                 b.grads_ready = b.launch
                 b.sources["grads_ready"] = "derived"
+        return b
 
     def comm_done(self, index: int, t: float | None = None, source: str = "cpu",
                   start: float | None = None, start_source: str | None = None,

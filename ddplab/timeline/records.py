@@ -43,6 +43,14 @@ class BucketRecord:
     comm_end: float | None = None  # result available on this rank
     sources: dict = field(default_factory=dict)  # stamp name -> one of SOURCES
     simulated: bool = False
+    # What the bucket's collectives were handed, when it differs from what the bucket held
+    # (``nbytes``): a comm hook that compresses (torch's fp16_compress_hook) sends half.
+    # None: not counted apart, the same as nbytes.
+    wire_nbytes: int | None = None
+
+    def sent_bytes(self) -> int:
+        """The payload handed to the collectives: ``wire_nbytes`` when counted, else ``nbytes``."""
+        return self.nbytes if self.wire_nbytes is None else self.wire_nbytes
 
     def comm_interval(self):
         start = self.comm_start if self.comm_start is not None else self.launch

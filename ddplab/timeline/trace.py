@@ -67,6 +67,7 @@ def to_chrome_trace(timelines, origin: float | None = None) -> dict:
                            "ts": us(span[0]), "dur": max(0.0, us(span[1]) - us(span[0])),
                            "cat": "communication",
                            "args": {"iteration": b.iteration, "bucket": b.index, "bytes": b.nbytes,
+                                    "bytes_on_the_wire": b.sent_bytes(),
                                     "params": list(b.params), "simulated": b.simulated,
                                     "sources": dict(b.sources)}})
     return {"traceEvents": events, "displayTimeUnit": "ms",

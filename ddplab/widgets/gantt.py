@@ -239,7 +239,9 @@ def gantt_traces(tl: Timeline, iterations=None, origin=None, legend=True, name_s
         index.append(b.index)
         hover.append(f"<b>bucket {b.index}</b> · rank {b.rank} · iteration {b.iteration}"
                      f"<br>{b.nbytes:,} bytes ({b.nbytes / 2**20:.2f} MiB), {len(b.params)} parameter(s)"
-                     f"<br>params: {_params_text(b.params)}"
+                     + (f"<br>{b.wire_nbytes:,} bytes on the wire (the comm hook's compressed size)"
+                        if b.wire_nbytes is not None and b.wire_nbytes != b.nbytes else "")
+                     + f"<br>params: {_params_text(b.params)}"
                      f"<br>grads ready {ready} ms → launched {launch} ms{held}"
                      f"<br>in flight {a:.1f} → {e:.1f} ms = <b>{e - a:.1f} ms</b>"
                      f"<br>stamp sources: {sources}"

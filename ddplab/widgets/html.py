@@ -95,6 +95,21 @@ def write_html(path, figures, title: str = "ddplab", captions=None, intro: str =
     return str(path)
 
 
+def full_caption(tl, n_timelines: int) -> str:
+    """The caption of one timeline drawn in full, true for its kind: what the gaps between its
+    iterations are depends on where the iterations came from."""
+    if tl.meta.get("predicted"):  # ddplab.measure.whatif: one step, laid out from a recording
+        return ("one PREDICTED step, worked out from a recording's times, not measured; "
+                "no gaps: the prediction has no time outside the step.")
+    if tl.meta.get("recorded"):  # ddplab.record: the user's own loop, recorded as it ran
+        return ("every recorded optimizer step; shaded ones are not averaged. Gaps between steps "
+                "are your loop's own time outside a step: from the end of one optimizer step to "
+                "the next forward (loading data, logging, evaluation, checkpoints).")
+    gaps = (" Gaps between iterations are the other strategies' steps: compare() interleaves them."
+            if n_timelines > 1 else "")
+    return f"every measured iteration; shaded ones are not averaged.{gaps}"
+
+
 def compare_report(timelines: dict, metrics: dict, title: str = "ddplab compare") -> str:
     """The page ``compare --html`` writes: side by side, metrics, then each strategy in full."""
     side, bars = compare_figures(timelines, metrics)
@@ -103,10 +118,7 @@ def compare_report(timelines: dict, metrics: dict, title: str = "ddplab compare"
     captions = ["The last counted iteration of every strategy, on one time scale.",
                 "Medians over counted iterations" + ("; saved_ms is manual's step time minus "
                                                      "each one's." if saved else ".")]
-    gaps = (" Gaps between iterations are the other strategies' steps: compare() interleaves them."
-            if len(timelines) > 1 else "")
-    captions += [f"{name}: every recorded iteration; shaded ones are not averaged.{gaps}"
-                 for name in timelines]
+    captions += [f"{name}: {full_caption(tl, len(timelines))}" for name, tl in timelines.items()]
     link = next((tl.meta.get("simulated_link") for tl in timelines.values()
                  if tl.meta.get("simulated_link")), None)
     intro = (f"Communication on a SIMULATED link ({link.get('label', 'custom')}); compute is real. "

@@ -343,3 +343,4 @@ def test_sizes_whose_tensors_would_not_fit_in_memory_are_refused(monkeypatch):
     check_memory([2 ** 12, 2 ** 30], torch.device("cpu"))  # 2 x 1 GiB of 8: fine
     with pytest.raises(ValueError, match=r"need 4.0 GiB per rank \(2 rank\(s\) here\), more than 80% of the 8.0"):
         check_memory([2 ** 12, 2 ** 32], torch.device("cpu"))
+

@@ -135,6 +135,17 @@ def test_recorded_buckets_equal_torchs_logging_data(cluster2, case):
         assert b.grads_ready <= b.launch <= b.comm_end, b
     if case in ("fp16_hook", "powersgd_hook", "hook_before"):
         assert tl.meta["comm_hook"] in ("fp16_compress_hook", "powerSGD_hook")
+    # bytes: what each bucket held, and what went on the wire, both said and labelled
+    assert set(tl.meta["bucket_bytes"]) == {"nbytes", "wire_nbytes"}
+    for b in (b for b in tl.buckets if "no_sync" not in tl.iteration(b.rank, b.iteration).flags):
+        if case in ("fp16_hook", "hook_before"):  # fp16_compress_hook: the float32 bucket as fp16
+            assert b.wire_nbytes * 2 == b.nbytes, b
+        elif case == "powersgd_hook":  # its own call's all-reduce only (P and Q come in callbacks)
+            assert 0 < b.wire_nbytes, b
+        else:
+            assert b.wire_nbytes == b.nbytes, b
+    if case == "powersgd_hook":  # compressing from its step 2 on: the 1-D tensors, a lower bound
+        assert tl.buckets_of(0, 5)[0].wire_nbytes < tl.buckets_of(0, 5)[0].nbytes
     # after finish() the hook slot is as it was: yours, or none, in DDP's own logging data
     plain_hook, recorded_hook = r0["hooks"]
     assert recorded_hook == plain_hook and plain_hook != "RunRecorder._dispatch", r0["hooks"]
@@ -303,13 +314,24 @@ def meet_alone_then_together(timeout):
         # failed meeting (its port closed since): it must not be read as this meeting's
         time.sleep(0.5)
     side = SideGroup(dist.group.WORLD, timeout)  # the count at the store is whole again
-    return said, side.all_gather_object(dist.get_rank())
+    parts = side.all_gather_object(dist.get_rank())
+    # the gathering's first barrier passed: the meeting's key of spoiled tries leaves the store
+    from torch.distributed.distributed_c10d import _get_default_store
+
+    from ddplab.measure.recording_gather import gather
+
+    store = _get_default_store()
+    held = store.check([side._spoiled])
+    gather({"rank": dist.get_rank()}, side, timeout)
+    dist.barrier()
+    return said, parts, (held, store.check([side._spoiled]))
 
 
 @pytest.mark.more  # a Cluster job: about 4 s here
 def test_record_on_one_rank_only_says_so_and_the_next_record_still_meets(cluster2):
-    (said, parts), (none, _) = cluster2.run(meet_alone_then_together, 2.0)
+    (said, parts, keys), (none, _, _) = cluster2.run(meet_alone_then_together, 2.0)
     assert none is None and parts == [0, 1]
+    assert keys == (True, False)  # the spoiled count was there for the meeting, and went after it
     assert said.startswith("ddplab.record() on rank 0: the other ranks did not call ddplab.record() "
                            "within 2 s")
     assert said.endswith("call it on every rank, at the same point of your script")

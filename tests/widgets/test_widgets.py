@@ -392,3 +392,27 @@ def test_the_page_states_the_stamp_sources_it_shows(tmp_path):
     (tmp_path / "gpu.json").write_text(json.dumps(on_gpu.to_dict()))
     runs_page(tmp_path / "back.html", load_runs([tmp_path / "gpu.json"]))
     assert "<code>cuda_event</code>" in (tmp_path / "back.html").read_text()
+
+
+def test_each_kind_of_run_gets_a_caption_true_for_its_gaps():
+    import re
+
+    from ddplab.widgets.html import full_caption
+
+    compared, other = hand_timeline("bucketed"), hand_timeline("ddp")
+    recorded = hand_timeline("ddp")
+    recorded.meta["recorded"] = "your run (ddplab.record)"
+    predicted = hand_timeline("predicted: ddp", iterations=1)
+    predicted.meta["predicted"] = True
+    page = compare_report({"bucketed": compared, "ddp": other, "run (torch DDP)": recorded,
+                           "what-if": predicted}, {n: summarize(t) for n, t in
+                                                   {"bucketed": compared, "ddp": other,
+                                                    "run (torch DDP)": recorded, "what-if": predicted}.items()})
+    caps = dict(re.findall(r"<figcaption>([^:<]+): ([^<]*)</figcaption>", page))
+    assert "compare() interleaves" in caps["bucketed"] and "compare() interleaves" in caps["ddp"]
+    assert "compare() interleaves" not in caps["run (torch DDP)"]
+    assert "your loop&#x27;s own time" in caps["run (torch DDP)"] and "loading data" in caps["run (torch DDP)"]
+    assert "PREDICTED" in caps["what-if"] and "interleaves" not in caps["what-if"]
+    # one recorded run alone says what its gaps are too; one compared strategy has no others
+    assert "loading data" in full_caption(recorded, 1)
+    assert "interleaves" not in full_caption(compared, 1)
