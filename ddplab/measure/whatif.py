@@ -22,6 +22,9 @@ optimizer time) under the new settings:
   (``ddplab.netsim.costmodel.fit``); for a recording made under a simulated
   link, the slower of that link and the fit, as the simulated link itself
   completes no earlier than the real transfer (``SlowerOf``).
+- compression: a run recorded under a compressing comm hook (``wire_nbytes``
+  below ``nbytes``, e.g. fp16_compress_hook's half) has each new bucket charged
+  the recorded wire/held ratio, said on the label.
 - contention: while an all-reduce is in flight, compute runs ``1 + c``
   times slower, with c measured from the recording (see profile). c belongs
   to the machine that recorded; pass ``contention=0`` for hardware where
@@ -117,6 +120,18 @@ class SlowerOf:
         return dict(self.simulated.describe(), label=self.label, fitted=self.fitted.describe())
 
 
+def _wire_ratio(recording) -> tuple[str, float]:
+    """(label, wire bytes / held bytes) of the recorded buckets. Under a compressing comm hook
+    (fp16_compress_hook: half) the link carries less than the buckets hold; the prediction charges
+    each new bucket the recorded ratio, and its label says so. ("", 1.0) without compression."""
+    held = sum(b.nbytes for b in recording.buckets if b.wire_nbytes is not None)
+    wire = sum(b.wire_nbytes for b in recording.buckets if b.wire_nbytes is not None)
+    if not held or wire == held:
+        return "", 1.0
+    return (f"; the comm hook's recorded wire/held ratio {wire / held:.3f} applied to every bucket "
+            "(a hook whose bytes change with the bucket, e.g. PowerSGD's rank, is not modelled)"), wire / held
+
+
 def _link(prof: Profile, link):
     """(link model, its label, the measurement it came from or None)."""
     if is_link_file(link):  # measured by `python -m ddplab link`
@@ -210,6 +225,9 @@ def predict(recording: Timeline, *, bucket_cap_mb=RECORDED, link=None, world_siz
     layout = _layout(prof, bucket_cap_mb)
     c = prof.contention
     sizes = prof.ranks[0].nbytes
+    on_wire, ratio = _wire_ratio(recording)
+    if on_wire:
+        link_label += on_wire
     ranks = [prof.ranks[r % len(prof.ranks)] for r in range(p)]
     slow = [straggler[1] if straggler and straggler[0] == r else 1.0 for r in range(p)]
     b0 = [rp.pre_s * f for rp, f in zip(ranks, slow)]
@@ -224,11 +242,11 @@ def predict(recording: Timeline, *, bucket_cap_mb=RECORDED, link=None, world_siz
             readies.append(ready)
             launches.append(launched[r])
         start = max(max(launches), free)
-        free = start + model.allreduce_seconds(nbytes, p)
+        free = start + model.allreduce_seconds(round(nbytes * ratio), p)  # what goes on the wire
         flight.append((start, free))
         rows.append((k, units, nbytes, readies, launches, start, free))
     if measured:
-        link_label += _beyond_measured(measured["sizes_bytes"], [row[2] for row in rows])
+        link_label += _beyond_measured(measured["sizes_bytes"], [row[2] * ratio for row in rows])
     tl = Timeline(f"predicted: {recording.strategy}", p, recording.backend)
     # figures show bucket records' params as names, as recorders write them
     unit_names = {u: (f"recorded bucket {u}" if prof.from_buckets else f"parameter {u}")

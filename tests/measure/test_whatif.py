@@ -255,3 +255,18 @@ def test_a_slowdown_the_overlap_cannot_explain_makes_the_prediction_untrusted():
     tl = predict(recording(), baseline=baseline(backward_ms=1.0), bucket_cap_mb=4)
     assert tl.meta["whatif"]["trusted"] is False
     assert "other load on the machine" in tl.meta["whatif"]["untrusted"][0]
+
+
+def test_under_a_compressing_comm_hook_each_bucket_costs_what_went_on_the_wire():
+    # the same recording, with fp16_compress_hook's wire bytes: every bucket half its held bytes
+    half = recording()
+    for b in half.buckets:
+        b.wire_nbytes = b.nbytes // 2
+    full = predict(recording(), bucket_cap_mb=float("inf"), link=LINK, baseline=baseline())
+    tl = predict(half, bucket_cap_mb=float("inf"), link=LINK, baseline=baseline())
+    (b,), (f,) = tl.buckets_of(0, 0), full.buckets_of(0, 0)
+    assert (f.comm_end - f.comm_start) / MS == pytest.approx(2.0)  # 4 MiB held, all of it sent
+    assert (b.comm_end - b.comm_start) / MS == pytest.approx(1.0)  # half of it on the wire
+    assert b.nbytes == f.nbytes == 4 * MiB  # the bucket still holds what it held
+    label = " ".join(run_labels(tl))
+    assert "wire/held ratio 0.500" in label and "wire/held" not in " ".join(run_labels(full))
