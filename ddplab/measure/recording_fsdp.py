@@ -35,18 +35,38 @@ RuntimeError naming the torch version, never an empty recording):
   unit's name ("" for the root, drawn as "(root)"); ``FSDPParamGroup.mesh_info``'s class
   ``FSDPMeshInfo``: a 1-D shard mesh (HSDP's all-reduce goes around these objects: refused).
 
-Bytes (``BucketRecord.nbytes``): the unit's flat padded parameters, what an all-gather's output
-and a reduce-scatter's input hold (each parameter's dim 0 padded to a multiple of the world
-size, ``_get_dim0_padded_size`` in _fsdp_common.py); each rank hands the group 1/p of it for an
-all-gather and sends (p-1)/p of it on a ring for either. A collective's ``params`` are
-``(op, phase, unit)``.
+Bytes (``BucketRecord.nbytes``): the tensor the collective was handed: an all-gather's output
+(the unit's parameters, each dim 0 padded to a multiple of the world size,
+``_get_dim0_padded_size`` in _fsdp_common.py, in the dtype they are gathered in: a
+``MixedPrecisionPolicy(param_dtype=torch.bfloat16)`` halves it) and a reduce-scatter's input
+(the padded gradients of the unit's parameters that got one, in the reduce dtype: a frozen
+parameter is gathered but not reduce-scattered). Each rank sends (p-1)/p of it on a ring for
+either (``ddplab.timeline.metrics.ring_bytes``, the figure ``view`` sets beside DDP's). A
+collective's ``params`` are ``(op, phase, unit)``; an all-gather has no ``grads_ready`` (no
+gradient is involved), a reduce-scatter's is its launch (``derived``).
 
 Steps are optimizer steps, as for DDP (ddplab.measure.recording): a step runs from its first
-forward with gradients on to the end of the ``torch.optim`` step that closes it. A forward with
-gradients off (validation) is not a step: its all-gathers are counted in the meta
-(``forwards_without_backward``: step, start, end, all-gathers), not drawn in a step; so is a
+forward with gradients on to the end of the ``torch.optim`` step that closes it, and ONLY a
+``torch.optim`` step (its global hooks, kept to optimizers holding this model's parameters)
+closes one: a forward after a backward may be the next micro-step of the same step (gradient
+accumulation, with or without ``set_requires_gradient_sync(False)``), which no hook can tell
+from a new step (a loop without a ``torch.optim`` optimizer is one step, until ``finish()``).
+Micro-steps: the last one's forward and backward are the step's; the ones before it are one
+phase, ``no_sync`` (drawn as DDP's accumulation micro-steps; here they may reduce-scatter), and
+``micro_steps`` in the meta counts them. A forward with gradients off (validation), and a
+forward with gradients on whose backward never came before the step ended (``model.eval();
+model(x)`` without ``no_grad``), is not a micro-step: its all-gathers are counted in the meta
+(``forwards_without_backward``: step, start, end, all-gathers), not drawn in a step. One made
+between the last backward and the optimizer step still lies inside the step's time. So is a
 collective made in a recorded step before its first forward (``collectives_outside_steps``:
-step, op, unit, launch; e.g. your ``unshard(async_op=True)`` before it). Stamps:
+step, op, unit, launch; e.g. your ``unshard(async_op=True)`` before it).
+
+Only the root is recorded: a unit under it sees its own collectives only (the root's hooks run
+the rest), so it is refused naming the root; a module that is not ``fully_shard``-ed itself
+while its submodules are (several roots), and one of several roots, are refused saying to
+``fully_shard`` the whole model too. The parents are found with ``gc.get_referrers`` (a module
+does not know its parent), once at ``record()``.
+Stamps:
 the step's start and forward from a forward pre-hook (put before FSDP's own) and a forward hook
 on the root; backward from the forward's end to an autograd-engine callback queued
 by a hook on the root's output, after FSDP's own final callback (which reduce-scatters the
@@ -65,7 +85,7 @@ Leaves out, next to torch's profiler (whose ``FSDP::all_gather`` and ``FSDP::pos
 labels mark the same calls): kernels, memory, the copy-in and copy-out around each collective.
 Only CPU (gloo) runs: on a GPU a host stamp is when the host queued the collective, not when it
 ran, so a CUDA model is refused in a sentence (DDP's recorder uses CUDA events there). Gradient
-accumulation: a step's phases are its last micro-step's (``micro_steps`` in the meta).
+accumulation: the earlier micro-steps are one phase (above).
 References: torch/distributed/fsdp/_fully_shard/ (the files above);
 torch/nn/modules/module.py (``register_forward_hook(always_call=True)``);
 torch.autograd's ``Variable._execution_engine.queue_callback`` (as FSDP's _fsdp_state.py).
@@ -167,8 +187,8 @@ def check_root(model) -> None:
     above = [m for m in chain if isinstance(m, FSDPModule)]
     if above or getattr(state, "_is_root", None) is False:  # _is_root: set at the first forward
         root = above[-1] if above else None
-        where = (f"the {type(root).__name__} that holds it as its submodule {_name_in(root, model)!r}" if root is not None
-                 else "the module fully_shard(...) was applied to last")
+        where = (f"the {type(root).__name__} that holds it as its submodule {_name_in(root, model)!r}"
+                 if root is not None else "the module fully_shard(...) was applied to last")
         raise TypeError(f"ddplab.record got a fully_shard-ed {type(model).__name__} that is not the root of "
                         f"its model: its root runs the others' all-gathers and reduce-scatters, so record "
                         f"the root: pass {where}")

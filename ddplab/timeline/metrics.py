@@ -83,6 +83,25 @@ def _median(xs):
     return statistics.median(xs) if xs else None
 
 
+GATHER_OR_SCATTER = ("all_gather_into_tensor", "reduce_scatter_tensor")
+
+
+def ring_bytes(tl: Timeline, buckets) -> float:
+    """What one rank sends on a ring for ``buckets``: (p-1)/p of the full buffer N for an
+    all-gather or a reduce-scatter (N: the gathered output, the scattered input), 2(p-1)/p of
+    N for an all-reduce (a reduce-scatter, then an all-gather). N is what went on the wire
+    (``wire_nbytes``, a compressing comm hook's size) where a recording counted it, else the
+    bucket's size. This is the figure to set a DDP run beside a fully_shard one: their buffer
+    sizes count an all-reduce's N once and FSDP's N twice per unit (gather and scatter)."""
+    p = tl.world_size
+    total = 0.0
+    for b in buckets:
+        wire = getattr(b, "wire_nbytes", None)
+        n = b.nbytes if wire is None else wire
+        total += n * (p - 1) / p * (1 if b.params[:1] and b.params[0] in GATHER_OR_SCATTER else 2)
+    return total
+
+
 def summarize(tl: Timeline) -> dict:
     """Per-strategy metrics over the counted (unflagged) iterations."""
     p = tl.world_size
@@ -90,6 +109,7 @@ def summarize(tl: Timeline) -> dict:
     counted = tl.iteration_numbers()
     steps, exposed, overlap_pct, comm_s, nbytes, nbuckets = [], [], [], [], [], []
     wait = {r: [] for r in ranks}
+    ring = [ring_bytes(tl, tl.buckets_of(ranks[0], i)) for i in counted]
     for i in counted:
         per_rank = {r: iteration_metrics(tl, r, i) for r in ranks}
         steps.append(max((m["step_s"] or 0.0) for m in per_rank.values()))
@@ -117,6 +137,7 @@ def summarize(tl: Timeline) -> dict:
         "overlap_pct": None if sharded else _median(overlap_pct),
         "comm_bytes_per_step": int(tl.meta.get("comm_bytes_per_step", payload)),
         "n_buckets": int(_median(nbuckets) or 0),
+        "ring_bytes_per_step": _median(ring),  # sent per rank on a ring (ring_bytes)
         "algbw_GBps": algbw,
         "busbw_GBps": None if algbw is None else algbw * 2 * (p - 1) / p,
         "wait_ms_by_rank": {r: ms(_median(w)) for r, w in wait.items()},

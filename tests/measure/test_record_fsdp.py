@@ -292,7 +292,7 @@ def test_the_three_files_and_a_page_beside_a_ddp_run_of_the_same_model(cluster2,
     tl = load_run(fsdp.with_suffix(".json"))
     trace = json.loads(fsdp.with_suffix(".trace.json").read_text())
     tracks = {e["args"]["name"] for e in trace["traceEvents"] if e.get("name") == "thread_name"}
-    assert {AG, RS} <= tracks
+    assert {AG, RS} <= tracks and "communication" not in tracks  # no empty row: each op has its own
     slices = [e for e in trace["traceEvents"] if e.get("ph") == "X" and e.get("cat") == "communication"]
     assert len(slices) == len(tl.buckets)
     cluster2.run(record_ddp, str(ddp))
@@ -305,6 +305,18 @@ def test_the_three_files_and_a_page_beside_a_ddp_run_of_the_same_model(cluster2,
     # DDP's all-reduces on one comm row per rank; FSDP's collectives on rows of their own
     assert {"rank 0 comm", "rank 1 comm", "rank 0 all-gather", "rank 0 reduce-scatter",
             "rank 1 all-gather", "rank 1 reduce-scatter"} <= rows
+    # the bytes figure beside a sharded run: sent per rank on a ring, from torch's own calls (FSDP:
+    # (p-1)/p of each all-gather's output and reduce-scatter's input; DDP: 2(p-1)/p of every
+    # parameter's bytes, all-reduced once), never the buffers summed across ops
+    import statistics
+
+    metrics = figures[1]
+    assert metrics.layout.annotations[1].text == "sent per rank on a ring, per step (MiB)"
+    bars = next(t for t in metrics.data if t.name == "MiB per step")
+    fsdp_ring = statistics.median(sum(n for _, n in r0["seen"][step]) / 2 for step in (1, 2, 3))
+    ddp_ring = sum(p.numel() * p.element_size() for p in _net().parameters()) * 2 / 2
+    assert list(bars.x) == ["ddp (torch DDP)", "fsdp (torch fully_shard)"]
+    assert list(bars.y) == pytest.approx([ddp_ring / 2**20, fsdp_ring / 2**20])
 
 
 def record_without(name):
