@@ -109,7 +109,6 @@ def summarize(tl: Timeline) -> dict:
     counted = tl.iteration_numbers()
     steps, exposed, overlap_pct, comm_s, nbytes, nbuckets = [], [], [], [], [], []
     wait = {r: [] for r in ranks}
-    ring = [ring_bytes(tl, tl.buckets_of(ranks[0], i)) for i in counted]
     for i in counted:
         per_rank = {r: iteration_metrics(tl, r, i) for r in ranks}
         steps.append(max((m["step_s"] or 0.0) for m in per_rank.values()))
@@ -137,13 +136,20 @@ def summarize(tl: Timeline) -> dict:
         "overlap_pct": None if sharded else _median(overlap_pct),
         "comm_bytes_per_step": int(tl.meta.get("comm_bytes_per_step", payload)),
         "n_buckets": int(_median(nbuckets) or 0),
-        "ring_bytes_per_step": _median(ring),  # sent per rank on a ring (ring_bytes)
         "algbw_GBps": algbw,
         "busbw_GBps": None if algbw is None else algbw * 2 * (p - 1) / p,
         "wait_ms_by_rank": {r: ms(_median(w)) for r, w in wait.items()},
         "iterations_counted": len(counted),
         "iterations_excluded": sorted(set(tl.iteration_numbers(include_flagged=True)) - set(counted)),
     }
+
+
+def summarize_run(tl: Timeline) -> dict:
+    """``summarize`` plus ``ring_bytes_per_step`` (median over counted steps of rank 0's
+    ``ring_bytes``): what a saved run's page and ``ddplab.view`` draw."""
+    ranks = sorted({it.rank for it in tl.iterations})
+    ring = [ring_bytes(tl, tl.buckets_of(ranks[0], i)) for i in tl.iteration_numbers()] if ranks else []
+    return dict(summarize(tl), ring_bytes_per_step=_median(ring))
 
 
 def add_saved_ms(summaries: dict, reference: str = "manual") -> dict:

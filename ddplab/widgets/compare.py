@@ -121,7 +121,7 @@ def metrics_figure(metrics: dict, labels=(), height=380) -> go.Figure:
     sharded = any(m.get("exposed_comm_ms") is None and m.get("n_buckets") for m in metrics.values())
     fig = make_subplots(rows=1, cols=2, column_widths=[0.72, 0.28], horizontal_spacing=0.1,
                         subplot_titles=["time per step (ms, median of counted iterations)",
-                                        "collectives' bytes per step (MiB)" if sharded else
+                                        "collectives' buffer sizes per step (MiB)" if sharded else
                                         "all-reduced per step (MiB)"])
     for key, label, color in METRICS:
         ys = [metrics[s].get(key) for s in names]
