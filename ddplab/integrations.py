@@ -106,6 +106,14 @@ def find_wrapper(x):
     if family == "hf_trainer":
         inner = getattr(x, "model_wrapped", None)
         return inner if isinstance(inner, DistributedDataParallel) else None
+    if isinstance(x, torch.nn.Module) and any(_fully_sharded(m) for m in x.modules()):
+        # several roots: their parameters outside any unit are not sharded, and no one root
+        # runs all the collectives; one fully_shard on the whole model makes it the root
+        sharded = [name for name, m in x.named_modules() if _fully_sharded(m)]
+        raise TypeError(f"ddplab.record got a {type(x).__name__} that is not fully_shard-ed itself, while "
+                        f"{len(sharded)} of its submodules are ({', '.join(sharded[:4])}): call "
+                        f"fully_shard on the {type(x).__name__} too, after them (it becomes the root), "
+                        "and pass it")
     if isinstance(x, torch.nn.Module):
         raise TypeError(f"ddplab.record got a {type(x).__name__}, not the DistributedDataParallel "
                         f"wrapping it: {WHAT_TO_PASS}")

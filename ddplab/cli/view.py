@@ -23,14 +23,14 @@ from pathlib import Path
 def runs_page(path, timelines: dict, title: str = "ddplab: saved runs") -> str:
     """Write the page for ``{label: Timeline}`` (what ``ddplab.record(..., out=)`` writes)."""
     from ddplab.launchers.jobstore import place_words
-    from ddplab.timeline.metrics import summarize
+    from ddplab.timeline.metrics import summarize_run
     from ddplab.widgets.html import compare_report
 
     notes = [f"{name}: {tl.meta['comm_not_measured']}" for name, tl in timelines.items()
              if tl.meta.get("comm_not_measured")]
     notes += [f"{name} ran as {place_words(tl.meta['ranks'])}." for name, tl in timelines.items()
               if any(r.get("job") or r.get("node") for r in tl.meta.get("ranks", ()))]  # a job's ranks: where
-    html = compare_report(timelines, {name: summarize(tl) for name, tl in timelines.items()}, title)
+    html = compare_report(timelines, {name: summarize_run(tl) for name, tl in timelines.items()}, title)
     if notes:  # said at the top of the page, not only in the JSON
         html = html.replace("<body>", "<body><p><b>" + " ".join(notes) + "</b></p>", 1)
     Path(path).write_text(html, encoding="utf-8")
@@ -58,7 +58,7 @@ def load_runs(paths) -> dict:
 def view(*paths, out=None):
     """In a notebook: draw saved runs side by side (plotly figures); with ``out``, also write
     the page there. Returns the figures (the side-by-side timeline, then the metrics)."""
-    from ddplab.timeline.metrics import summarize
+    from ddplab.timeline.metrics import summarize_run
     from ddplab.widgets.compare import compare_figures
 
     if not paths:
@@ -66,7 +66,7 @@ def view(*paths, out=None):
     runs = load_runs(paths)
     if out is not None:
         runs_page(out, runs)
-    return compare_figures(runs, {name: summarize(tl) for name, tl in runs.items()})
+    return compare_figures(runs, {name: summarize_run(tl) for name, tl in runs.items()})
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -35,18 +35,38 @@ RuntimeError naming the torch version, never an empty recording):
   unit's name ("" for the root, drawn as "(root)"); ``FSDPParamGroup.mesh_info``'s class
   ``FSDPMeshInfo``: a 1-D shard mesh (HSDP's all-reduce goes around these objects: refused).
 
-Bytes (``BucketRecord.nbytes``): the unit's flat padded parameters, what an all-gather's output
-and a reduce-scatter's input hold (each parameter's dim 0 padded to a multiple of the world
-size, ``_get_dim0_padded_size`` in _fsdp_common.py); each rank hands the group 1/p of it for an
-all-gather and sends (p-1)/p of it on a ring for either. A collective's ``params`` are
-``(op, phase, unit)``.
+Bytes (``BucketRecord.nbytes``): the tensor the collective was handed: an all-gather's output
+(the unit's parameters, each dim 0 padded to a multiple of the world size,
+``_get_dim0_padded_size`` in _fsdp_common.py, in the dtype they are gathered in: a
+``MixedPrecisionPolicy(param_dtype=torch.bfloat16)`` halves it) and a reduce-scatter's input
+(the padded gradients of the unit's parameters that got one, in the reduce dtype: a frozen
+parameter is gathered but not reduce-scattered). Each rank sends (p-1)/p of it on a ring for
+either (``ddplab.timeline.metrics.ring_bytes``, the figure ``view`` sets beside DDP's). A
+collective's ``params`` are ``(op, phase, unit)``; an all-gather has no ``grads_ready`` (no
+gradient is involved), a reduce-scatter's is its launch (``derived``).
 
 Steps are optimizer steps, as for DDP (ddplab.measure.recording): a step runs from its first
-forward with gradients on to the end of the ``torch.optim`` step that closes it. A forward with
-gradients off (validation) is not a step: its all-gathers are counted in the meta
-(``forwards_without_backward``: step, start, end, all-gathers), not drawn in a step; so is a
+forward with gradients on to the end of the ``torch.optim`` step that closes it, and ONLY a
+``torch.optim`` step (its global hooks, kept to optimizers holding this model's parameters)
+closes one: a forward after a backward may be the next micro-step of the same step (gradient
+accumulation, with or without ``set_requires_gradient_sync(False)``), which no hook can tell
+from a new step (a loop without a ``torch.optim`` optimizer is one step, until ``finish()``).
+Micro-steps: the last one's forward and backward are the step's; the ones before it are one
+phase, ``no_sync`` (drawn as DDP's accumulation micro-steps; here they may reduce-scatter), and
+``micro_steps`` in the meta counts them. A forward with gradients off (validation), and a
+forward with gradients on whose backward never came before the step ended (``model.eval();
+model(x)`` without ``no_grad``), is not a micro-step: its all-gathers are counted in the meta
+(``forwards_without_backward``: step, start, end, all-gathers), not drawn in a step. One made
+between the last backward and the optimizer step still lies inside the step's time. So is a
 collective made in a recorded step before its first forward (``collectives_outside_steps``:
-step, op, unit, launch; e.g. your ``unshard(async_op=True)`` before it). Stamps:
+step, op, unit, launch; e.g. your ``unshard(async_op=True)`` before it).
+
+Only the root is recorded: a unit under it sees its own collectives only (the root's hooks run
+the rest), so it is refused naming the root; a module that is not ``fully_shard``-ed itself
+while its submodules are (several roots), and one of several roots, are refused saying to
+``fully_shard`` the whole model too. The parents are found with ``gc.get_referrers`` (a module
+does not know its parent), once at ``record()``.
+Stamps:
 the step's start and forward from a forward pre-hook (put before FSDP's own) and a forward hook
 on the root; backward from the forward's end to an autograd-engine callback queued
 by a hook on the root's output, after FSDP's own final callback (which reduce-scatters the
@@ -65,7 +85,7 @@ Leaves out, next to torch's profiler (whose ``FSDP::all_gather`` and ``FSDP::pos
 labels mark the same calls): kernels, memory, the copy-in and copy-out around each collective.
 Only CPU (gloo) runs: on a GPU a host stamp is when the host queued the collective, not when it
 ran, so a CUDA model is refused in a sentence (DDP's recorder uses CUDA events there). Gradient
-accumulation: a step's phases are its last micro-step's (``micro_steps`` in the meta).
+accumulation: the earlier micro-steps are one phase (above).
 References: torch/distributed/fsdp/_fully_shard/ (the files above);
 torch/nn/modules/module.py (``register_forward_hook(always_call=True)``);
 torch.autograd's ``Variable._execution_engine.queue_callback`` (as FSDP's _fsdp_state.py).
@@ -125,6 +145,61 @@ def param_groups(model) -> list:
                                 "made through the objects it times")
             groups.append(g)
     return groups
+
+
+def _parents(module) -> list:
+    """The modules that hold ``module`` as a child (in their ``_modules``). A module does not
+    know its parent, so they are found from the garbage collector's referrers (once, at
+    ``record()``)."""
+    import gc
+
+    import torch
+
+    found = []
+    for holder in gc.get_referrers(module):
+        if not isinstance(holder, dict):
+            continue
+        for ref in gc.get_referrers(holder):  # the parent, or its __dict__ holding _modules
+            for parent in [ref] if not isinstance(ref, dict) else gc.get_referrers(ref):
+                if isinstance(parent, torch.nn.Module) and parent._modules is holder and parent not in found:
+                    found.append(parent)
+    return found
+
+
+def _name_in(top, module) -> str:
+    return next((name for name, m in top.named_modules() if m is module), "?")
+
+
+def check_root(model) -> None:
+    """Refuse a module that is not the root of its fully_shard-ed model: recorded alone, a unit
+    under the root sees its own collectives only (the root's hooks run the others), and one of
+    several roots sees its own part of the model only. Says which module to pass."""
+    from torch.distributed.fsdp import FSDPModule
+
+    state = model._get_fsdp_state()
+    chain, top = [], model
+    while True:  # up to the module that holds everything (bounded: a module tree has no cycle)
+        up = _parents(top)
+        if not up:
+            break
+        top = up[0]
+        chain.append(top)
+    above = [m for m in chain if isinstance(m, FSDPModule)]
+    if above or getattr(state, "_is_root", None) is False:  # _is_root: set at the first forward
+        root = above[-1] if above else None
+        where = (f"the {type(root).__name__} that holds it as its submodule {_name_in(root, model)!r}"
+                 if root is not None else "the module fully_shard(...) was applied to last")
+        raise TypeError(f"ddplab.record got a fully_shard-ed {type(model).__name__} that is not the root of "
+                        f"its model: its root runs the others' all-gathers and reduce-scatters, so record "
+                        f"the root: pass {where}")
+    if chain:
+        others = [name for name, m in top.named_modules() if isinstance(m, FSDPModule)
+                  and m is not model and not any(m is s for s in model.modules())]
+        if others:
+            raise TypeError(f"ddplab.record got one of several fully_shard roots: the {type(top).__name__} "
+                            f"holding it is not fully_shard-ed itself, and {len(others)} other root(s) "
+                            f"({', '.join(others[:4])}) run their own collectives; call fully_shard on "
+                            f"that {type(top).__name__} too (after its blocks) and pass it")
 
 
 def _timed_comms():
@@ -210,6 +285,7 @@ class FsdpRecorder(RunRecorder):
                             "is when the host queued a collective, not when it ran; record the same model "
                             "wrapped in DistributedDataParallel (CUDA events), or use torch.profiler")
         self.groups = param_groups(model)  # raises, naming the torch version, before anything changes
+        check_root(model)  # a unit under the root, or one of several roots: refused, naming what to pass
         timed_ag, timed_rs = _timed_comms()  # the same
         self.group = process_group if process_group is not None else dist.group.WORLD
         self.rank, self.world = dist.get_rank(self.group), dist.get_world_size(self.group)
@@ -225,7 +301,10 @@ class FsdpRecorder(RunRecorder):
         self.timer = None
         self.step, self.started, self._micro = 0, -1, 0
         self._stepper_seen, self._backward_done, self._in_forward = False, False, False
-        self._forward_ended = False  # this step's (last micro-step's) forward is over
+        self._forward_ended = False  # this micro-step's forward is over
+        # this step's micro-steps (forwards with gradients on): forward [start, end], backward
+        # [start, end] or None (none came), the indices of their collectives, their all-gathers
+        self._micros: list[dict] = []
         self._backward_open = False  # backward began and its engine callback has not come yet
         self._holders: dict[int, bool] = {}
         self._step_t0, self._calls, self._micro_steps, self._evals = None, 0, {}, []
@@ -276,6 +355,13 @@ class FsdpRecorder(RunRecorder):
         index, self._calls = self._calls, self._calls + 1
         self.recorder.launch(index, tensor.numel() * tensor.element_size(),
                              (op, phase, group._module_fqn or "(root)"), t0)
+        made = self.recorder._buckets.get(index)
+        if made is not None and op == ALL_GATHER:  # no gradient is ready for an all-gather
+            made.grads_ready = None
+            made.sources.pop("grads_ready", None)
+        if self._micros:
+            self._micros[-1]["calls"].append(index)
+            self._micros[-1]["gathers"] += op == ALL_GATHER
         if work is None:  # a blocking call: gloo has run it when it returns
             self.recorder.comm_done(index, now())
             return work
@@ -302,16 +388,18 @@ class FsdpRecorder(RunRecorder):
         if not torch.is_grad_enabled():  # validation: no backward follows, not a step
             self._eval = [self.step, now(), None, 0]
             return
-        if self._backward_done and not self._stepper_seen:
-            self._end_step()  # no torch.optim optimizer: a step ends at the next forward
-            if self.finished:
-                return
+        # a step ends at a torch.optim step only: a forward after a backward may be the next
+        # micro-step of the same step (gradient accumulation), which no hook can tell apart
         if self._micro == 0 and self._recording():
             self.recorder.begin_iteration(self.step)
-            self._calls, self._step_t0, self._in_step = 0, None, True
+            self._calls, self._step_t0, self._in_step, self._micros = 0, None, True, []
         self._micro += 1
         self.started = self.step
-        self._in_forward, self._forward_t0 = True, now()
+        self._in_forward, self._forward_ended, self._forward_t0 = True, False, now()
+        self._backward_hooked = False
+        if self._in_step:
+            self._micros.append({"forward": [self._forward_t0, None], "backward": None, "calls": [],
+                                 "gathers": 0})
 
     def _forward_end(self, module, args, output):
         if self.finished:
@@ -327,9 +415,9 @@ class FsdpRecorder(RunRecorder):
             return
         t = now()
         self._in_forward, self._forward_ended = False, True
-        if self._recording():
-            self.recorder.set_phase("forward", self._forward_t0, t, "cpu")
-        self._backward_t0, self._backward_hooked = t, False
+        if self._in_step and self._micros:
+            self._micros[-1]["forward"][1] = t
+        self._backward_t0 = t
         for tensor in _tensors(output):
             if tensor.requires_grad:
                 tensor.register_hook(self._backward_begins)
@@ -340,14 +428,42 @@ class FsdpRecorder(RunRecorder):
         if not self._backward_hooked and not self.finished:
             # queued after FSDP's own final callback (its hook on this output ran first)
             self._backward_hooked = self._backward_open = True
+            if self._in_step and self._micros:
+                self._micros[-1]["backward"] = [self._backward_t0, None]
             Variable._execution_engine.queue_callback(self._backward_end)
         return grad
 
     def _backward_end(self):
         self._backward_open, self._backward_done = False, True
-        if self._recording():
+        if self._in_step and self._micros and self._micros[-1]["backward"] is not None:
             # its start is the forward's end (derived), its end the engine's callback
-            self.recorder.set_phase("backward", self._backward_t0, now(), "derived")
+            self._micros[-1]["backward"][1] = now()
+
+    def _close_micros(self) -> int:
+        """The step's phases from its micro-steps; returns how many had a backward. A forward
+        with gradients on whose backward never came (a validation forward without no_grad)
+        is no micro-step: its collectives leave the step and it is listed with the forwards
+        without backward. The last micro-step is the step's forward and backward; the ones
+        before it are one phase, drawn as DDP's ``no_sync`` micro-steps are."""
+        real = [m for m in self._micros if m["backward"] is not None]
+        for m in self._micros:
+            if m["backward"] is None:
+                for index in m["calls"]:
+                    self.recorder._buckets.pop(index, None)
+                self._evals.append([self.step, m["forward"][0], m["forward"][1], m["gathers"]])
+        self._evals.sort(key=lambda e: (e[0], e[1]))
+        if not real:
+            return 0
+        last = real[-1]
+        if self.recorder._it is not None:  # the step starts at its first micro-step's forward
+            self.recorder._it.start = real[0]["forward"][0]
+        self.recorder.set_phase("forward", *last["forward"], "cpu")
+        if last["backward"][1] is not None:
+            self.recorder.set_phase("backward", *last["backward"], "derived")
+        if len(real) > 1:
+            self.recorder.set_phase("no_sync", real[0]["forward"][0], real[-2]["backward"][1] or
+                                    real[-2]["backward"][0], "cpu")
+        return len(real)
 
     def _holds(self, optimizer) -> bool:
         held = self._holders.get(id(optimizer))
@@ -363,8 +479,8 @@ class FsdpRecorder(RunRecorder):
             self._step_t0 = now()
 
     def _end_step(self) -> None:
-        if self._recording():
-            self._micro_steps[self.step] = self._micro
+        if self._recording() and self._in_step:
+            self._micro_steps[self.step] = self._close_micros()
             self.recorder.end_iteration()
         self.step += 1
         self._micro, self._backward_done, self._forward_ended, self._in_step = 0, False, False, False
@@ -415,6 +531,8 @@ class FsdpRecorder(RunRecorder):
             UNFINISHED.discard(self)
             self._put_back()
             raise RuntimeError(DESTROYED)
+        if self._in_step and self._recording():  # finish() inside a step: what it had so far
+            self._micro_steps[self.step] = self._close_micros()
         self.finished = True
         UNFINISHED.discard(self)
         self._put_back()

@@ -83,6 +83,25 @@ def _median(xs):
     return statistics.median(xs) if xs else None
 
 
+GATHER_OR_SCATTER = ("all_gather_into_tensor", "reduce_scatter_tensor")
+
+
+def ring_bytes(tl: Timeline, buckets) -> float:
+    """What one rank sends on a ring for ``buckets``: (p-1)/p of the full buffer N for an
+    all-gather or a reduce-scatter (N: the gathered output, the scattered input), 2(p-1)/p of
+    N for an all-reduce (a reduce-scatter, then an all-gather). N is what went on the wire
+    (``wire_nbytes``, a compressing comm hook's size) where a recording counted it, else the
+    bucket's size. This is the figure to set a DDP run beside a fully_shard one: their buffer
+    sizes count an all-reduce's N once and FSDP's N twice per unit (gather and scatter)."""
+    p = tl.world_size
+    total = 0.0
+    for b in buckets:
+        wire = getattr(b, "wire_nbytes", None)
+        n = b.nbytes if wire is None else wire
+        total += n * (p - 1) / p * (1 if b.params[:1] and b.params[0] in GATHER_OR_SCATTER else 2)
+    return total
+
+
 def summarize(tl: Timeline) -> dict:
     """Per-strategy metrics over the counted (unflagged) iterations."""
     p = tl.world_size
@@ -123,6 +142,14 @@ def summarize(tl: Timeline) -> dict:
         "iterations_counted": len(counted),
         "iterations_excluded": sorted(set(tl.iteration_numbers(include_flagged=True)) - set(counted)),
     }
+
+
+def summarize_run(tl: Timeline) -> dict:
+    """``summarize`` plus ``ring_bytes_per_step`` (median over counted steps of rank 0's
+    ``ring_bytes``): what a saved run's page and ``ddplab.view`` draw."""
+    ranks = sorted({it.rank for it in tl.iterations})
+    ring = [ring_bytes(tl, tl.buckets_of(ranks[0], i)) for i in tl.iteration_numbers()] if ranks else []
+    return dict(summarize(tl), ring_bytes_per_step=_median(ring))
 
 
 def add_saved_ms(summaries: dict, reference: str = "manual") -> dict:

@@ -41,8 +41,12 @@ def to_chrome_trace(timelines, origin: float | None = None) -> dict:
                 {"ph": "M", "pid": pid, "name": "process_name", "args": {"name": f"{label} rank {rank}"}},
                 {"ph": "M", "pid": pid, "name": "process_sort_index", "args": {"sort_index": pid}},
                 {"ph": "M", "pid": pid, "tid": 0, "name": "thread_name", "args": {"name": "compute"}},
-                {"ph": "M", "pid": pid, "tid": 1, "name": "thread_name", "args": {"name": "communication"}},
             ]
+            # a recorded fully_shard run's collectives are on their ops' tracks: no empty row
+            if tl.strategy != "fully_shard" or any(len(b.params) != 3 or b.params[0] not in OP_TRACKS
+                                                   for b in tl.buckets if b.rank == rank):
+                events.append({"ph": "M", "pid": pid, "tid": 1, "name": "thread_name",
+                               "args": {"name": "communication"}})
             if tl.strategy == "fully_shard":
                 events += [{"ph": "M", "pid": pid, "tid": tid, "name": "thread_name", "args": {"name": op}}
                            for op, tid in OP_TRACKS.items()]

@@ -121,7 +121,7 @@ def metrics_figure(metrics: dict, labels=(), height=380) -> go.Figure:
     sharded = any(m.get("exposed_comm_ms") is None and m.get("n_buckets") for m in metrics.values())
     fig = make_subplots(rows=1, cols=2, column_widths=[0.72, 0.28], horizontal_spacing=0.1,
                         subplot_titles=["time per step (ms, median of counted iterations)",
-                                        "collectives' bytes per step (MiB)" if sharded else
+                                        "collectives' buffer sizes per step (MiB)" if sharded else
                                         "all-reduced per step (MiB)"])
     for key, label, color in METRICS:
         ys = [metrics[s].get(key) for s in names]
@@ -133,12 +133,22 @@ def metrics_figure(metrics: dict, labels=(), height=380) -> go.Figure:
             cliponaxis=False, hovertemplate=f"<b>%{{x}}</b><br>{label.replace('<br>', ' ')}: "
                                             "%{y:.2f} ms<extra></extra>"), row=1, col=1)
     mib = [(metrics[s].get("comm_bytes_per_step") or 0) / 2**20 for s in names]
+    # beside a sharded run: what each rank sends on a ring (an all-gather or a reduce-scatter
+    # (p-1)/p of its buffer, an all-reduce twice that), not the buffers' sizes summed
+    ring = sharded and all(metrics[s].get("ring_bytes_per_step") is not None for s in names)
+    if ring:
+        fig.layout.annotations[1].text = "sent per rank on a ring, per step (MiB)"
+    shown = [metrics[s]["ring_bytes_per_step"] / 2**20 for s in names] if ring else mib
     fig.add_trace(go.Bar(
-        name="MiB per step", x=names, y=mib, showlegend=False, marker_color="#8c8c8c",
-        text=[f"{v:.1f}" for v in mib], textposition="outside", cliponaxis=False,
+        name="MiB per step", x=names, y=shown, showlegend=False, marker_color="#8c8c8c",
+        text=[f"{v:.3g}" for v in shown], textposition="outside", cliponaxis=False,
         customdata=[metrics[s].get("n_buckets", 0) for s in names],
-        hovertemplate="<b>%{x}</b><br>%{y:.2f} MiB in %{customdata} "
-                      + ("collective(s)" if sharded else "all-reduce(s)") + "<extra></extra>"),
+        hovertext=[f"buffer sizes: {m:.4f} MiB in " for m in mib] if ring else None,
+        hovertemplate="<b>%{x}</b><br>%{y:.4f} MiB "
+                      + ("sent per rank on a ring ((p-1)/p of each all-gather's and reduce-scatter's "
+                         "buffer, 2(p-1)/p of each all-reduce's)<br>%{hovertext}" if ring else "in ")
+                      + "%{customdata} " + ("collective(s)" if sharded else "all-reduce(s)")
+                      + "<extra></extra>"),
         row=1, col=2)
     fig.update_layout(barmode="group", template="plotly_white", height=height + 18 * len(labels),
                       title=titled("Metrics", labels),

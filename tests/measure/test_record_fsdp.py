@@ -292,7 +292,7 @@ def test_the_three_files_and_a_page_beside_a_ddp_run_of_the_same_model(cluster2,
     tl = load_run(fsdp.with_suffix(".json"))
     trace = json.loads(fsdp.with_suffix(".trace.json").read_text())
     tracks = {e["args"]["name"] for e in trace["traceEvents"] if e.get("name") == "thread_name"}
-    assert {AG, RS} <= tracks
+    assert {AG, RS} <= tracks and "communication" not in tracks  # no empty row: each op has its own
     slices = [e for e in trace["traceEvents"] if e.get("ph") == "X" and e.get("cat") == "communication"]
     assert len(slices) == len(tl.buckets)
     cluster2.run(record_ddp, str(ddp))
@@ -305,6 +305,18 @@ def test_the_three_files_and_a_page_beside_a_ddp_run_of_the_same_model(cluster2,
     # DDP's all-reduces on one comm row per rank; FSDP's collectives on rows of their own
     assert {"rank 0 comm", "rank 1 comm", "rank 0 all-gather", "rank 0 reduce-scatter",
             "rank 1 all-gather", "rank 1 reduce-scatter"} <= rows
+    # the bytes figure beside a sharded run: sent per rank on a ring, from torch's own calls (FSDP:
+    # (p-1)/p of each all-gather's output and reduce-scatter's input; DDP: 2(p-1)/p of every
+    # parameter's bytes, all-reduced once), never the buffers summed across ops
+    import statistics
+
+    metrics = figures[1]
+    assert metrics.layout.annotations[1].text == "sent per rank on a ring, per step (MiB)"
+    bars = next(t for t in metrics.data if t.name == "MiB per step")
+    fsdp_ring = statistics.median(sum(n for _, n in r0["seen"][step]) / 2 for step in (1, 2, 3))
+    ddp_ring = sum(p.numel() * p.element_size() for p in _net().parameters()) * 2 / 2
+    assert list(bars.x) == ["ddp (torch DDP)", "fsdp (torch fully_shard)"]
+    assert list(bars.y) == pytest.approx([ddp_ring / 2**20, fsdp_ring / 2**20])
 
 
 def record_without(name):
@@ -336,3 +348,140 @@ def test_a_missing_private_torch_name_is_a_clear_error_naming_the_torch_version(
         assert r["said"] is not None and f"torch {r['version']}" in r["said"], r
         assert "FSDPParamGroup._reduce_scatter_comm is not there" in r["said"] and "\n" not in r["said"]
         assert r["untouched"]  # refused before anything was patched
+
+
+def train_accumulating():
+    """On every rank: a recorded and an unrecorded replica, 4 optimizer steps, steps 0-2 recorded
+    (step 0's micro-steps come before any optimizer step): 2 micro-steps in step 0, 3 in step 1
+    (the first two with ``set_requires_gradient_sync(False)``) after a validation forward WITH
+    gradients on (no backward follows it), 2 in step 2. torch.distributed's all-gather and
+    reduce-scatter functions are wrapped while the recorded replica runs, counting per micro-step."""
+    import torch
+    import torch.distributed as dist
+
+    import ddplab
+
+    rank = dist.get_rank()
+    plain, recorded = _sharded(), _sharded()
+    opts = [torch.optim.SGD(m.parameters(), lr=0.05) for m in (plain, recorded)]
+    rec = ddplab.record(recorded, steps=range(0, 3))
+    seen, counting = {}, [None]  # (step, micro-step or "val") -> [(op, bytes)]
+    real = dist.all_gather_single, dist.reduce_scatter_single
+
+    def all_gather_single(output_tensor, input_tensor, *args, **kwargs):
+        if counting[0] is not None:
+            seen.setdefault(counting[0], []).append((AG, output_tensor.numel() * output_tensor.element_size()))
+        return real[0](output_tensor, input_tensor, *args, **kwargs)
+
+    def reduce_scatter_single(output, input, *args, **kwargs):
+        if counting[0] is not None:
+            seen.setdefault(counting[0], []).append((RS, input.numel() * input.element_size()))
+        return real[1](output, input, *args, **kwargs)
+
+    micro = {0: 2, 1: 3, 2: 2, 3: 1}
+    g = torch.Generator().manual_seed(200 + rank)
+    dist.all_gather_single, dist.reduce_scatter_single = all_gather_single, reduce_scatter_single
+    try:
+        for step in range(4):
+            xs = [torch.randn(8, 12, generator=g) for _ in range(micro[step] + 1)]
+            for model, opt in zip((plain, recorded), opts):
+                mine = model is recorded
+                if step == 1:  # validation with gradients on: a forward, no backward
+                    counting[0] = (step, "val") if mine else None
+                    model.eval()
+                    model(xs[-1])
+                    model.train()
+                for m in range(micro[step]):
+                    counting[0] = (step, m) if mine else None
+                    if step == 1:
+                        model.set_requires_gradient_sync(m == micro[step] - 1)
+                    model(xs[m]).square().mean().backward()
+                counting[0] = None
+                opt.step()
+                opt.zero_grad()
+    finally:
+        dist.all_gather_single, dist.reduce_scatter_single = real
+    tl = rec.timeline
+    same = all(torch.equal(p.to_local(), q.to_local()) for p, q in zip(plain.parameters(), recorded.parameters()))
+    return {"timeline": None if tl is None else tl.to_dict(), "seen": {str(k): v for k, v in seen.items()},
+            "same": same, "micro": micro}
+
+
+def test_accumulation_micro_steps_are_one_step_and_a_forward_without_backward_is_left_out(cluster2):
+    from ddplab.timeline import Timeline
+
+    r0, r1 = cluster2.run(train_accumulating)
+    assert r0["same"] and r1["same"], "recording changed training (the shards differ bitwise)"
+    tl = Timeline.from_dict(r0["timeline"])
+    micro = {int(k): v for k, v in r0["micro"].items()}
+    # steps are optimizer steps, step 0 (before any optimizer step) included; micro-steps counted
+    assert sorted((it.rank, it.iteration) for it in tl.iterations) == [(r, i) for r in (0, 1) for i in (0, 1, 2)]
+    assert tl.meta["micro_steps"] == {str(s): micro[s] for s in (0, 1, 2)}
+    # the forward with gradients on and no backward: listed, its all-gathers counted, not in step 1
+    (step, start, end, gathers), = tl.meta["forwards_without_backward"]
+    assert step == 1 and gathers == sum(op == AG for op, _ in r0["seen"][str((1, "val"))]) > 0
+    for rank, r in ((0, r0), (1, r1)):
+        for step in (0, 1, 2):
+            per_micro = [r["seen"][str((step, m))] for m in range(micro[step])]
+            calls = tl.buckets_of(rank, step)
+            # every micro-step's collectives, call by call, and nothing else
+            assert [(b.params[0], b.nbytes) for b in calls] == [tuple(c) for cs in per_micro for c in cs], (rank, step)
+            it = tl.iteration(rank, step)
+            earlier, last = len(calls) - len(per_micro[-1]), it.phases
+            # the micro-steps before the last are one phase, drawn as DDP's no_sync; the last one's
+            # collectives lie in the step's forward and backward
+            lo, hi = it.phases["no_sync"]
+            assert it.start <= lo and hi <= it.phases["forward"][0], (rank, step)
+            for b in calls[:earlier]:
+                assert lo - 1e-6 <= b.launch and b.comm_end <= hi + 1e-6, (b, lo, hi)
+            for b in calls[earlier:]:
+                inside = last["forward"] if b.params[1] == "forward" else last["backward"]
+                assert inside[0] - 1e-6 <= b.launch and b.comm_end <= inside[1] + 1e-6, (b, inside)
+            # no gradient is ready for an all-gather: only reduce-scatters say when theirs were
+            assert all((b.grads_ready is None) == (b.params[0] == AG) for b in calls), (rank, step)
+        # under set_requires_gradient_sync(False) the first two micro-steps of step 1 reduce-scatter nothing
+        assert [sum(op == RS for op, _ in r["seen"][str((1, m))]) for m in range(3)] == [0, 0, 3]
+
+
+CASES = {"a unit under the root": "not the root of its model: .* pass the FSDPNet that holds it as its submodule 'b'",
+         "the model, not sharded itself": "Net that is not fully_shard-ed itself, while 2 of its submodules "
+                                          "are \\(a, b\\)",
+         "one of several roots": "one of several fully_shard roots: .* 1 other root\\(s\\) \\(b\\)"}
+
+
+def record_what():
+    """ddplab.record handed a module that is not the root of a fully_shard-ed model: the errors, and
+    whether anything was patched."""
+    from torch.distributed.fsdp import fully_shard
+
+    import ddplab
+    from ddplab.measure.recording_fsdp import param_groups
+
+    out = {}
+    for case in CASES:
+        if case == "a unit under the root":
+            net = _sharded()
+            given = net.b
+        else:  # only the blocks sharded: each is a root of its own
+            net = _net()
+            fully_shard(net.a)
+            fully_shard(net.b)
+            given = net if case == "the model, not sharded itself" else net.a
+        try:
+            ddplab.record(given, steps=range(0, 1))
+        except TypeError as e:
+            said = str(e)
+        else:
+            said = None
+        kinds = {type(g._all_gather_comm).__name__ for g in param_groups(net)}
+        out[case] = {"said": said, "untouched": kinds == {"DefaultAllGather"}}
+    return out
+
+
+def test_a_module_that_is_not_the_root_is_refused_naming_the_root(cluster2):
+    import re
+
+    for r in cluster2.run(record_what):
+        for case, says in CASES.items():
+            assert r[case]["said"] is not None and re.search(says, r[case]["said"]), (case, r[case])
+            assert "DistributedDataParallel" not in r[case]["said"] and r[case]["untouched"], (case, r[case])
