@@ -52,6 +52,7 @@ from __future__ import annotations
 import math
 import os
 import pathlib
+import sys
 from dataclasses import dataclass
 
 from ddplab.course import limits
@@ -238,3 +239,25 @@ def full_page(limit: int, mem_gib: float, spawns: int = 2) -> str:
         "{% endblock error_detail %}",
         "",
     ])
+
+
+def class_size(spawner: str, mem_gib: float, max_learners: int | None) -> int | None:
+    """The servers a class may run at once on this machine: what its memory holds at ``mem_gib``
+    each, or ``max_learners`` (warned about when above that); None on Slurm, whose scheduler
+    queues the servers."""
+    if spawner == "slurm":
+        if max_learners is not None:
+            raise ValueError("--max-learners is for a class on this machine: with --spawner slurm, "
+                             "Slurm's partition limits say how many servers run at once")
+        return None
+    fits = server_limit(mem_gib, machine().total_gib)
+    if max_learners is None:
+        return fits
+    if max_learners < 1:
+        raise ValueError(f"--max-learners must be at least 1, got {max_learners}")
+    if max_learners > fits:
+        print(f"WARNING: --max-learners {max_learners} is more than this machine's memory holds at "
+              f"--mem-gib {mem_gib:g} ({fits}): when the learners' use adds up past it, the kernel may "
+              "kill one learner's kernel for another's memory (python -m ddplab classroom --plan)",
+              file=sys.stderr)
+    return max_learners

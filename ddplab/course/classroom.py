@@ -41,7 +41,6 @@ import pathlib
 import re
 import shutil
 import sys
-import time
 
 from ddplab.course import accounts, capacity, hubconfig, limits, safety
 from ddplab.course import logins as logins_module
@@ -290,22 +289,7 @@ def _fill(folder: pathlib.Path, names: list[str], proxy: str, per: int, args) ->
 
 def max_servers(args) -> int | None:
     """The class's size on this machine (None on Slurm: its scheduler queues the servers)."""
-    if args.spawner == "slurm":
-        if args.max_learners is not None:
-            raise ValueError("--max-learners is for a class on this machine: with --spawner slurm, "
-                             "Slurm's partition limits say how many servers run at once")
-        return None
-    fits = capacity.server_limit(args.mem_gib, capacity.machine().total_gib)
-    if args.max_learners is None:
-        return fits
-    if args.max_learners < 1:
-        raise ValueError(f"--max-learners must be at least 1, got {args.max_learners}")
-    if args.max_learners > fits:
-        print(f"WARNING: --max-learners {args.max_learners} is more than this machine's memory holds at "
-              f"--mem-gib {args.mem_gib:g} ({fits}): when the learners' use adds up past it, the kernel may "
-              "kill one learner's kernel for another's memory (python -m ddplab classroom --plan)",
-              file=sys.stderr)
-    return args.max_learners
+    return capacity.class_size(args.spawner, args.mem_gib, args.max_learners)
 
 
 def plan(args) -> int:
@@ -455,25 +439,11 @@ def delete(args, parser) -> int:
 
 
 def unlock(args, parser) -> int:
-    """--unlock: one file per request in the hub's own folder (0700, the hub's user's); the running
-    hub reads and removes it at its next log-in attempt (ddplab/course/logins.py)."""
-    folder = pathlib.Path(args.folder).resolve()
-    if not (folder / "jupyterhub_config.py").exists():
-        parser.error(f"{folder} holds no class (no jupyterhub_config.py): pass the class's folder")
-    if not (folder / "hub").is_dir():
-        parser.error(f"{folder}'s hub has never started ({folder / 'hub'} is missing): nothing to unlock")
-    names = [n.strip().lower() for n in args.unlock]
-    bad = [n for n in names if not n or len(n) > logins_module.MAX_NAME or not n.isprintable() or " " in n]
-    if bad:
-        parser.error(f"not an account name: {bad[0]!r}")
-    requests = folder / "hub" / "unlock"
+    """--unlock: a request the running hub reads at its next log-in attempt (logins.request_unlock)."""
     try:
-        requests.mkdir(mode=0o700, exist_ok=True)
-        tmp = requests.parent / f".unlock-{os.getpid()}"
-        tmp.write_text("\n".join(names) + "\n")
-        tmp.replace(requests / f"{os.getpid()}-{time.time_ns()}")  # whole, never half-written
-    except PermissionError:
-        parser.error(f"cannot write in {folder / 'hub'}: run --unlock as the hub's user (root)")
+        names = logins_module.request_unlock(pathlib.Path(args.folder).resolve(), args.unlock)
+    except ValueError as e:
+        parser.error(str(e))
     print(f"asked the hub to forget the failed log-ins of {' '.join(names)}: it does so at the next log-in "
           "attempt (a hub that is not running starts with none counted anyway)")
     return 0

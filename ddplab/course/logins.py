@@ -308,3 +308,27 @@ class RateLimitedLogins:
         if inner is None or not hasattr(self, "executor"):
             return method(handler, data)
         return asyncio.wrap_future(lane.submit(inner, self, handler, data))
+
+
+def request_unlock(folder: Path, given) -> list[str]:
+    """``classroom --unlock``: one file per request in the hub's own folder (0700, the hub's
+    user's), written whole; the running hub reads and removes it at its next log-in attempt
+    (``LoginLimits.take_unlocks``). Returns the names; ValueError says what is wrong."""
+    if not (folder / "jupyterhub_config.py").exists():
+        raise ValueError(f"{folder} holds no class (no jupyterhub_config.py): pass the class's folder")
+    if not (folder / "hub").is_dir():
+        raise ValueError(f"{folder}'s hub has never started ({folder / 'hub'} is missing): nothing to unlock")
+    names = [n.strip().lower() for n in given]
+    bad = [n for n in names if not n or len(n) > MAX_NAME or not n.isprintable() or " " in n]
+    if bad:
+        raise ValueError(f"not an account name: {bad[0]!r}")
+    requests = folder / "hub" / "unlock"
+    try:
+        requests.mkdir(mode=0o700, exist_ok=True)
+        tmp = requests.parent / f".unlock-{os.getpid()}"
+        tmp.write_text("\n".join(names) + "\n")
+        tmp.replace(requests / f"{os.getpid()}-{time.time_ns()}")  # whole, never half-written
+    except PermissionError:
+        raise ValueError(f"cannot write in {folder / 'hub'}: run --unlock as the hub's user (root)") from None
+    return names
+

@@ -49,9 +49,9 @@ MODULES = {
                           "pipeline", "reducer_map", "ring", "sharding", "watch", "workload", "yourmodel"]},
     # the front doors: they may use everything below
     9: {"ddplab.notebook": ["", "completion", "ddpcell", "export", "magics", "rankview", "sbatch"],
-        "ddplab.course": ["", "accounts", "classroom", "classroom_readme", "exchange_guard", "exercises", "gradebox",
-                          "gpu_nodes", "handouts", "hubconfig", "labsetup", "limits", "logins", "private_tmp",
-                          "proxy_guard", "safety", "seats", "slurmhub", "teardown"],
+        "ddplab.course": ["", "accounts", "capacity", "classroom", "classroom_readme", "exchange_guard", "exercises",
+                          "gradebox", "gpu_nodes", "handouts", "hubconfig", "labsetup", "limits", "logins",
+                          "private_tmp", "proxy_guard", "safety", "seats", "slurmhub", "teardown"],
         "ddplab.cli": ["", "compare", "doctor", "link", "view"],
         "ddplab": ["", "__main__", "integrations"]},  # `import ddplab` / `from ddplab import X`: the front door
 }
