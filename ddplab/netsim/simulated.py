@@ -112,18 +112,14 @@ class SimulatedWork:
 
 
 def _future_of_wait(work):
-    """A future completed (with the work's result, if it has one) when ``work.wait()``
-    returns, waited for on a thread of its own: for the few works with no future of theirs."""
+    """A future completed (value None: the work offered none) when ``work.wait()`` returns,
+    waited for on a thread of its own: for the few works with no future of theirs."""
     fut = torch.futures.Future()
 
     def waiter():
         try:
             work.wait()
-            try:
-                value = work.result()
-            except RuntimeError:  # a work with no result to give
-                value = None
-            fut.set_result(value)
+            fut.set_result(None)
         except Exception as exc:  # noqa: BLE001 - hand the failure on
             fut.set_exception(exc)
 

@@ -18,7 +18,7 @@ from torch import nn
 from ddplab.measure import fits
 from ddplab.netsim.link import RING_PASSES, LinkModel, LinkQueue
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.more]  # ranks over a slow link: ~6 s a world size, and start-up
 
 SLOW = LinkModel(0.01, 200.0, "10 Mbit/s")  # an all-reduce of FULL at 2 ranks: about 0.63 s
 FULL = 3 * 2 ** 18  # bytes, divisible by 2 and 3 ranks (float32 elements)
