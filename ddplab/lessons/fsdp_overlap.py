@@ -17,7 +17,7 @@ ends sooner.
 
 Every collective pays its own ring time on the link for its full size: an all-gather or a
 reduce-scatter half an all-reduce's (``ddplab.netsim.link.LinkModel.collective_seconds``),
-so the reduce-scatter bars of backward take as long as the all-gather bars of the same layer.
+so a layer's reduce-scatter is charged what its all-gather is (when the link is free).
 
 Leaves out: timing statistics (benchmarks/fsdp_overlap.py interleaves many steps).
 """
