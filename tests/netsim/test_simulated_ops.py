@@ -92,9 +92,10 @@ def test_each_collective_pays_its_ring_time_for_its_full_size(world, request):
             assert o["modelled"] == pytest.approx([expected] * 2, rel=1e-6), name
             assert o["wall"] >= expected - 1e-3, (name, o, expected)
         whole = out["all_reduce"]["wall"]
-        for name in ("broadcast", "all_gather", "all_gather_into_tensor", "reduce_scatter",
-                     "reduce_scatter_tensor"):
-            # half an all-reduce of the same full size (loose: real gloo adds its own time)
+        # half an all-reduce of the same full size (loose: real gloo adds its own time). Not
+        # the list reduce-scatter: gloo's own took 0.2-1.5 s here for 768 KiB, longer than the
+        # model, so its wall time says nothing of the link (its modelled time is checked above)
+        for name in ("broadcast", "all_gather", "all_gather_into_tensor", "reduce_scatter_tensor"):
             assert 0.3 < out[name]["wall"] / whole < 0.85, (name, out[name]["wall"], whole)
 
 
