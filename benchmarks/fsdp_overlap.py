@@ -7,8 +7,8 @@ Each run is one ``python -m ddplab compare --world-size 2 --link 1gbe --strategi
 fsdp,fsdp_overlap,torch_fsdp2`` plus ``fsdp_overlap_again`` (registered below: the same
 OverlapFSDP under a second name, the A/A control): a fresh pair of gloo ranks, the four
 strategies' steps interleaved, over a SIMULATED 1 Gb Ethernet link (ddplab.netsim: the real
-collectives run, each all-gather completes no earlier than the link's model says; a
-reduce-scatter is not delayed by it). On such a link an all-gather takes as long as a layer's
+collectives run, each all-gather and reduce-scatter completes no earlier than the link's
+ring model says for its full size). On such a link an all-gather takes as long as a layer's
 compute, so launching the next one before the current layer computes is what the step time
 shows. Printed: per run, step_ms of each and the ratios; then medians and ranges, with the
 load average before and after. Targets: fsdp_overlap / torch_fsdp2 <= 1.10 and

@@ -10,9 +10,10 @@ methods works (``typing.Protocol``: structural, no inheritance needed).
 - ``EventRecorder.record(event, t, **info)``: stamps (see ``ddplab.sync.comm``
   for the events and their info). ``device_timer`` (optional, ``None`` when
   absent): on GPUs, a ``DeviceTimer`` that times collectives with device events.
-- ``Link.wrap(work, nbytes, group, device=None) -> LinkWork``: hand back a
-  work that completes no earlier than the modelled transfer, nor (on a GPU:
-  ``device``, the tensor's) before the real one.
+- ``Link.wrap(work, nbytes, group, device=None, op="all_reduce") -> LinkWork``:
+  hand back a work that completes no earlier than the modelled transfer (an
+  ``op`` of ``nbytes``, its full size), nor (on a GPU: ``device``, the
+  tensor's) before the real one.
 - ``LinkWork``: ``wait()``, ``get_future()`` like a torch ``Work``, and
   ``done_stamp()``: called when it completes, the extra info for the "done"
   stamp (``start``, ``simulated``, ``source``: who decided the end).
@@ -44,7 +45,7 @@ class LinkWork(Protocol):
 
 @runtime_checkable
 class Link(Protocol):
-    def wrap(self, work: Any, nbytes: int, group=None, device=None) -> LinkWork: ...
+    def wrap(self, work: Any, nbytes: int, group=None, device=None, op: str = "all_reduce") -> LinkWork: ...
 
 
 class Observer(Protocol):

@@ -15,9 +15,11 @@ called and waits for it, so the bars follow one another; with prefetch the next 
 is launched when the current layer starts computing, so the bars start earlier and the step
 ends sooner.
 
-Leaves out: the reduce-scatter's time on the link (ddplab's simulated link delays
-all-reduce, broadcast and all-gather only: a reduce-scatter is timed as gloo runs it);
-timing statistics (benchmarks/fsdp_overlap.py interleaves many steps).
+Every collective pays its own ring time on the link for its full size: an all-gather or a
+reduce-scatter half an all-reduce's (``ddplab.netsim.link.LinkModel.collective_seconds``),
+so a layer's reduce-scatter is charged what its all-gather is (when the link is free).
+
+Leaves out: timing statistics (benchmarks/fsdp_overlap.py interleaves many steps).
 """
 from __future__ import annotations
 

@@ -34,10 +34,11 @@ average. ``ring_bytes`` sums them; ``sent_by_op`` is what a rank hands the
 group (the tensors it passes, as ``memory.measure`` counts them), another
 figure.
 
-Communication time (ring, ``ddplab.netsim.link.LinkModel``): an all-reduce of
+Communication time (ring, ``ddplab.netsim.link.LinkModel.collective_seconds``,
+which a simulated link charges too): an all-reduce of
 N bytes 2(p-1) alpha + 2(p-1)/p N / bandwidth; an all-gather, a
-reduce-scatter or a broadcast of N bytes half of that, each call paying its
-own alpha. For the broadcast that is the ring's average per rank: a chain
+reduce-scatter or a broadcast of N bytes half of that, (p-1) alpha +
+(p-1)/p N / bandwidth, each call paying its own alpha. For the broadcast that is the ring's average per rank: a chain
 pipelined in small pieces takes nearer N / bandwidth (plus its latencies), so
 its bandwidth term is (p-1)/p of the chain's (half at 2 ranks). Every collective is waited
 for (no overlap with compute), and DDP's buckets are cut at the cap in bytes,
@@ -57,7 +58,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ddplab.netsim.link import LinkModel
+from ddplab.netsim.link import LinkModel, ring_passes
 from ddplab.sync.core.fsdp import DEFAULT_SHARD, unit_owners
 
 ROWS = ("ddp", "zero1", "fsdp")
@@ -200,21 +201,20 @@ def predict_calls(model: nn.Module, world_size: int, row: str,
     return calls + flags + [("all_reduce", 4 * n) for n in replicated]
 
 
-HALF = {"all_gather", "reduce_scatter", "broadcast"}  # half an all-reduce's steps and bytes
-
-
 def ring_bytes(calls, world_size: int) -> float:
     """What one rank sends in a ring for these (op, full bytes) calls: an all-reduce
-    2(p-1)/p N, an all-gather, a reduce-scatter or a broadcast (p-1)/p N."""
+    2(p-1)/p N, an all-gather, a reduce-scatter or a broadcast (p-1)/p N
+    (``ddplab.netsim.link.ring_passes``)."""
     p = world_size
-    return sum((1 if op in HALF else 2) * (p - 1) / p * n for op, n in calls)
+    return sum(ring_passes(op) * (p - 1) / p * n for op, n in calls)
 
 
 def comm_seconds(calls, world_size: int, link: LinkModel) -> float:
     """The alpha-beta time of the step's collectives on ``link`` (ring, nothing overlapped):
-    an all-gather, a reduce-scatter or a broadcast is half an all-reduce of the full size."""
-    return sum(link.allreduce_seconds(n, world_size) / (2 if op in HALF else 1)
-               for op, n in calls)
+    an all-gather, a reduce-scatter or a broadcast is half an all-reduce of the full size.
+    Each call is timed by ``link.collective_seconds``, the rule a simulated link
+    (ddplab.netsim.simulated) charges the same calls."""
+    return sum(link.collective_seconds(op, n, world_size) for op, n in calls)
 
 
 def which_fits(model: nn.Module, world_size: int, example, link="10gbe",

@@ -113,8 +113,11 @@ class SlowerOf:
         self.label = f"{simulated.label} (simulated) or gloo as fitted, whichever is slower"
 
     def allreduce_seconds(self, nbytes: int, world_size: int) -> float:
-        return max(self.simulated.allreduce_seconds(nbytes, world_size),
-                   self.fitted.allreduce_seconds(nbytes, world_size))
+        return self.collective_seconds("all_reduce", nbytes, world_size)
+
+    def collective_seconds(self, op: str, nbytes: int, world_size: int) -> float:
+        return max(self.simulated.collective_seconds(op, nbytes, world_size),
+                   self.fitted.collective_seconds(op, nbytes, world_size))
 
     def describe(self) -> dict:
         return dict(self.simulated.describe(), label=self.label, fitted=self.fitted.describe())

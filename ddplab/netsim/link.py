@@ -9,10 +9,19 @@ Teaches the alpha-beta model of a ring all-reduce over p ranks of n bytes:
 start late because they wait for more gradients: that tension is why bucket
 size matters.
 
+The other collectives go round the ring once where an all-reduce goes twice
+(it IS a reduce-scatter, then an all-gather): a reduce-scatter of n bytes
+(the full input), an all-gather whose gathered output is n bytes, and a
+broadcast of n bytes each cost (p-1) * alpha + (p-1)/p * n / bandwidth, half
+an all-reduce of the same full size (``collective_seconds``; for the
+broadcast that is a ring's average per rank: ddplab.measure.fits says more).
+The simulated link and ``ddplab.measure.fits`` both call it, so what is
+predicted and what is simulated cannot drift apart.
+
 How it is applied (clearly labelled "simulated" wherever shown): each rank
 has one link, modelled identically on every rank as a queue. A transfer
-starts when it is launched AND the link is free, lasts the model's time, and
-the all-reduce completes no earlier than both that and the real transfer.
+starts when it is launched AND the link is free, lasts the model's time for
+its collective, and the collective completes no earlier than both that and the real transfer.
 The delay lives in the future of the work the process group returns
 (``ddplab.netsim.simulated``): the hooks never sleep.
 
@@ -37,6 +46,24 @@ PRESETS = {
     "100gb-ib": {"bandwidth_gbps": 100.0, "latency_us": 2.0, "label": "100 Gb InfiniBand"},
     "nvlink": {"bandwidth_gbps": 2400.0, "latency_us": 1.0, "label": "NVLink (300 GB/s per direction)"},
 }
+
+
+# How many times each collective goes round a ring of p ranks (p-1 steps each, every rank
+# sending 1/p of the full size per step), by the names the observing process group
+# (ddplab.pg.group) and ddplab.measure.fits give them.
+RING_PASSES = {
+    "all_reduce": 2,  # a reduce-scatter, then an all-gather
+    "reduce_scatter": 1, "reduce_scatter_tensor": 1,
+    "all_gather": 1, "all_gather_into_tensor": 1,
+    "broadcast": 1,  # a chain pipelined in pieces: the ring's (p-1)/p N per rank on average
+}
+
+
+def ring_passes(op: str) -> int:
+    """2 for an all-reduce, 1 for an all-gather, a reduce-scatter or a broadcast."""
+    if op not in RING_PASSES:
+        raise ValueError(f"no ring cost for a {op!r}; the link models {', '.join(RING_PASSES)}")
+    return RING_PASSES[op]
 
 
 @dataclass(frozen=True)
@@ -83,12 +110,18 @@ class LinkModel:
 
     def allreduce_seconds(self, nbytes: int, world_size: int) -> float:
         """Ring all-reduce time for ``nbytes`` over ``world_size`` ranks."""
-        p = world_size
+        return self.collective_seconds("all_reduce", nbytes, world_size)
+
+    def collective_seconds(self, op: str, nbytes: int, world_size: int) -> float:
+        """Ring time of one ``op`` (a name in ``RING_PASSES``) of ``nbytes``, the FULL size
+        (an all-gather's gathered output, a reduce-scatter's input), over ``world_size`` ranks:
+        ``ring_passes(op)`` times (p-1) * alpha + (p-1)/p * nbytes / bandwidth."""
+        passes, p = ring_passes(op), world_size
         if p <= 1:
             return 0.0
         alpha = self.latency_us * 1e-6
         bytes_per_s = self.bandwidth_gbps * 1e9 / 8
-        return 2 * (p - 1) * alpha + 2 * (p - 1) / p * nbytes / bytes_per_s
+        return passes * ((p - 1) * alpha + (p - 1) / p * nbytes / bytes_per_s)
 
     def describe(self) -> dict:
         return dict(asdict(self), simulated=True)
@@ -107,10 +140,11 @@ class LinkQueue:
         with self._lock:
             self.free_at = 0.0
 
-    def schedule(self, launch: float, nbytes: int) -> tuple[float, float]:
-        """(simulated start, simulated end) for a transfer launched at ``launch``."""
+    def schedule(self, launch: float, nbytes: int, op: str = "all_reduce") -> tuple[float, float]:
+        """(simulated start, simulated end) for an ``op`` of ``nbytes`` (its full size)
+        launched at ``launch``."""
         with self._lock:
             start = max(launch, self.free_at)
-            end = start + self.model.allreduce_seconds(nbytes, self.world_size)
+            end = start + self.model.collective_seconds(op, nbytes, self.world_size)
             self.free_at = end
             return start, end

@@ -13,11 +13,16 @@ on every rank (a ``with`` block), ``close()`` the link afterwards (its clock
 thread then ends), and label every result "simulated". On a rank of the
 observing process group (``ddplab.pg.group``, every Cluster rank) the
 link is installed on the observing groups themselves (``on_group``): every
-all-reduce, broadcast and all-gather on them is delayed, whoever makes it,
-torch DDP's C++ reducer and a learner's code included. Other ops (reduce-scatter,
-all-to-all, sends and receives, barriers) pass undelayed: the model is a ring
-all-reduce's. On a group that is not observed ``ddplab.sync.comm`` wraps its
-own calls.
+all-reduce, broadcast, all-gather and reduce-scatter on them is delayed,
+whoever makes it, torch DDP's C++ reducer, FSDP and a learner's code
+included. Each is charged its own ring time for its full size
+(``LinkModel.collective_seconds``, the rule ``ddplab.measure.fits`` predicts
+with): an all-reduce of N bytes goes round the ring twice, a reduce-scatter
+of N bytes (its input), an all-gather of N bytes (its gathered output: the
+group hands the observer this rank's shard, so the link counts it p times) and
+a broadcast of N bytes once, half the time. Other ops (reduce, gather,
+scatter, all-to-all, sends and receives, barriers) pass undelayed. On a group
+that is not observed ``ddplab.sync.comm`` wraps its own calls.
 
 On a GPU the real transfer's end is not known on the host (NCCL's future
 completes when the collective is queued), so the returned future is a CUDA
@@ -72,7 +77,11 @@ class SimulatedWork:
                 clock.complete_at(self.sim_end, self._future, value,
                                   before=work.wait if self.on_device else None)
 
-        work.get_future().then(on_real)
+        try:
+            real = work.get_future()
+        except RuntimeError:  # gloo's list reduce-scatter has no future (torch 2.13): only wait()
+            real = _future_of_wait(work)
+        real.then(on_real)
 
     def wait(self, timeout=None):
         self._work.wait() if timeout is None else self._work.wait(timeout)
@@ -100,6 +109,22 @@ class SimulatedWork:
                         and self.real_end >= self.sim_end)  # a GPU's host stamp is enqueue time
         return {"start": self.sim_start, "simulated": True,
                 "source": "cpu" if real_decided else "simulated"}
+
+
+def _future_of_wait(work):
+    """A future completed (value None: the work offered none) when ``work.wait()`` returns,
+    waited for on a thread of its own: for the few works with no future of theirs."""
+    fut = torch.futures.Future()
+
+    def waiter():
+        try:
+            work.wait()
+            fut.set_result(None)
+        except Exception as exc:  # noqa: BLE001 - hand the failure on
+            fut.set_exception(exc)
+
+    threading.Thread(target=waiter, daemon=True, name="ddplab-simulated-link-wait").start()
+    return fut
 
 
 class _LinkClock:
@@ -168,8 +193,10 @@ class SimulatedLink:
         self.queue = LinkQueue(model, world_size)
         self._clock = _LinkClock()
 
-    def wrap(self, work, nbytes: int, group=None, device=None) -> SimulatedWork:
-        start, end = self.queue.schedule(now(), nbytes)
+    def wrap(self, work, nbytes: int, group=None, device=None, op: str = "all_reduce") -> SimulatedWork:
+        """``work``, completing no earlier than an ``op`` of ``nbytes`` (its full size) on the
+        link's queue (``ddplab.netsim.link.RING_PASSES`` names the ops)."""
+        start, end = self.queue.schedule(now(), nbytes, op)
         return SimulatedWork(work, start, end, self._clock, device)
 
     def describe(self) -> dict:
@@ -190,9 +217,13 @@ class SimulatedLink:
         self.close()
 
 
-# what carries data over the link: the collectives a reducer uses (a sparse
-# gradient on NCCL travels as all-gathers); barriers and point-to-point ops do not
-LINKED_OPS = ("all_reduce", "broadcast", "all_gather", "all_gather_into_tensor")
+# what carries data over the link: the collectives reducers and sharded strategies use (a
+# sparse gradient on NCCL travels as all-gathers), by the observing group's names for them
+# (ddplab.pg.group); barriers and point-to-point ops do not
+LINKED_OPS = ("all_reduce", "broadcast", "all_gather", "all_gather_into_tensor",
+              "reduce_scatter", "reduce_scatter_tensor")
+# the group hands an observer a gather's INPUT (this rank's shard); the ring moves the output
+GATHERS = ("all_gather", "all_gather_into_tensor")
 
 
 class OnGroup(ObserverBase):
@@ -216,10 +247,13 @@ class OnGroup(ObserverBase):
     def launched(self, op, tensors, group, peer):
         if op not in LINKED_OPS or not tensors or getattr(self._paused, "on", False):
             return None
-        return sum(payload_bytes(t) for t in tensors), tensors[0].device
+        nbytes = sum(payload_bytes(t) for t in tensors)  # a reduce-scatter's: its full input
+        if op in GATHERS:  # this rank's shard(s): the gathered output is p of them (even shards)
+            nbytes *= group.size()
+        return op, nbytes, tensors[0].device
 
     def started(self, token, work):
         if token is None:
             return None
-        nbytes, device = token
-        return self.link.wrap(work, nbytes, None, device=device)
+        op, nbytes, device = token
+        return self.link.wrap(work, nbytes, None, device=device, op=op)

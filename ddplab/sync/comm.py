@@ -149,7 +149,8 @@ def _count(kind, nbytes, bucket):
         c.add(kind, nbytes, bucket)
 
 
-def _after_launch(work, group, recorder, kind, nbytes, bucket, params, device, linked_here=False):
+def _after_launch(work, group, recorder, kind, nbytes, bucket, params, device, linked_here=False,
+                  op="all_reduce"):
     """Route ``work`` over the simulated link (if the group does not) and stamp launch and done.
 
     The link (``ddplab.sync.links``) sits on every observing process group; on any other group,
@@ -157,7 +158,7 @@ def _after_launch(work, group, recorder, kind, nbytes, bucket, params, device, l
     installed = link()
     if installed is not None and (linked_here or not link_on(group)):
         # the device: a GPU's simulated work must make the GPU wait for the real one
-        work = installed.wrap(work, nbytes, group, device=device)
+        work = installed.wrap(work, nbytes, group, device=device, op=op)
     if recorder is not None:
         record_launch(recorder, _linked(work), bucket=bucket, kind=kind, nbytes=nbytes,
                       params=params, on_device=device.type != "cpu")
@@ -243,8 +244,8 @@ def broadcast(tensor: torch.Tensor, src: int, group=None, async_op: bool = False
     nbytes = tensor.numel() * tensor.element_size()
     _count(kind, nbytes, None)
     work = dist.broadcast(tensor, src=src, group=group, async_op=True)
-    return _finish(_after_launch(work, group, recorder, kind, nbytes, None, (), tensor.device),
-                   async_op)
+    return _finish(_after_launch(work, group, recorder, kind, nbytes, None, (), tensor.device,
+                                 op="broadcast"), async_op)
 
 
 def broadcast_coalesced(tensors, src: int, group=None, *, kind: str = "buffers", recorder=None):

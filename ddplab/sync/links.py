@@ -24,7 +24,7 @@ from ddplab.pg.group import LIVE, observing_group
 # ``using_link(link)`` installs a ``ddplab.contracts.protocols.Link``: ``wrap(work, nbytes,
 # group, device=...)`` returns a work completing no earlier than the modelled transfer.
 # It goes on every observing process group of this process (every Cluster rank; groups
-# created inside the block excepted), so every all-reduce, broadcast and all-gather meets
+# created inside the block excepted), so every all-reduce, broadcast, all-gather and reduce-scatter meets
 # it, whoever calls it (torch DDP's reducer, the reference reducers, a learner's code);
 # on any other group these functions wrap their own works.
 # The delay lives in the returned object, never in a sleep inside a hook, so overlap
