@@ -16,10 +16,11 @@ Everything the server starts (terminal, kernels, ranks) inherits the namespace, 
 ranks put in ``/tmp`` still meets: the Cluster's FileStore folder and the ranks' stack files
 (``tempfile``), torch's compile caches, NCCL's ``/dev/shm`` segments between one learner's ranks.
 Nothing else changes: the network is the machine's (the hub still reaches the server over TCP),
-and so are the learner's home and the class folder. A learner cannot undo it: unmounting needs
-root. When the last process in the namespace ends (the learner's groups end them all when the
-server stops, :func:`ddplab.course.limits.end`), the namespace and its two tmpfs go, with every
-file in them.
+and so are the learner's home and the class folder (a class written under /tmp has its folder,
+its environment and ddplab's checkout bound back into the new /tmp at their own paths: ``keep``).
+A learner cannot undo it: unmounting needs root. When the last process in the namespace ends
+(the learner's groups end them all when the server stops, :func:`ddplab.course.limits.end`), the
+namespace and its two tmpfs go, with every file in them.
 
 A tmpfs holds its files in memory, and the kernel charges them to the memory cgroup of the
 process that wrote them: a learner's /tmp counts against their memory limit as well as its size.
@@ -37,10 +38,11 @@ from __future__ import annotations
 
 import ctypes
 import os
+import stat
 import tempfile
 
 CLONE_NEWNS = 0x00020000
-MS_NOSUID, MS_NODEV, MS_REC, MS_SLAVE = 0x2, 0x4, 0x4000, 0x80000
+MS_NOSUID, MS_NODEV, MS_BIND, MS_REC, MS_SLAVE = 0x2, 0x4, 0x1000, 0x4000, 0x80000
 PLACES = ("/tmp", "/dev/shm")
 
 # Loaded here, in the hub, not in the forked child: a child of a process with threads must not
@@ -65,14 +67,53 @@ def options(size_bytes: int) -> bytes:
     return f"size={int(size_bytes)},mode=1777".encode()
 
 
-def enter(size_bytes: int, places=PLACES) -> None:
+def _under(path: str, place: str) -> bool:
+    return path.startswith(place.rstrip("/") + "/")
+
+
+def kept_paths(*paths) -> list[str]:
+    """The folders a class's servers need that must stay visible through a private /tmp (the
+    class's folder, the environment, ddplab's checkout, when any of them lies under /tmp), made
+    absolute without following a file's last symlink (a venv's python links to the system's)."""
+    out = []
+    for p in paths:
+        p = os.path.realpath(os.path.abspath(os.fspath(p)))
+        if p not in out:
+            out.append(p)
+    return out
+
+
+def enter(size_bytes: int, places=PLACES, keep=()) -> None:
     """This process (and all it starts) gets its own mount table with a fresh tmpfs on each of
-    ``places``. As root, in the spawner's preexec, before the switch of account."""
+    ``places``. As root, in the spawner's preexec, before the switch of account.
+
+    A folder of ``keep`` that lies under one of ``places`` (a class written under /tmp: its
+    learners' homes, the environment their servers run) is bound back at its own path inside the
+    new tmpfs, with the folders above it made again with their owners and modes: the tmpfs would
+    hide it otherwise, and the server could not even enter its home."""
     opts = options(size_bytes)
     _check(_unshare(CLONE_NEWNS), "unshare(CLONE_NEWNS)")
     _check(_mount(b"none", b"/", None, MS_REC | MS_SLAVE, None), "making / a slave mount")
     for place in places:
+        kept = []
+        for path in keep:
+            if _under(path, place) and os.path.isdir(path):
+                above, d = [], os.path.dirname(path)
+                while _under(d, place):  # the folders between the place and the kept one
+                    above.insert(0, (d, os.stat(d)))
+                    d = os.path.dirname(d)
+                # the original, reached through a descriptor once the tmpfs covers its path
+                kept.append((path, above, os.stat(path), os.open(path, os.O_PATH | os.O_DIRECTORY)))
         _check(_mount(b"tmpfs", place.encode(), b"tmpfs", MS_NOSUID | MS_NODEV, opts), f"tmpfs on {place}")
+        for path, above, st, fd in kept:
+            for d, dst in above + [(path, st)]:
+                if not os.path.isdir(d):
+                    os.mkdir(d)
+                    os.chmod(d, stat.S_IMODE(dst.st_mode))
+                    os.chown(d, dst.st_uid, dst.st_gid)
+            _check(_mount(f"/proc/self/fd/{fd}".encode(), path.encode(), None, MS_BIND | MS_REC, None),
+                   f"keeping {path} visible in the private {place}")
+            os.close(fd)
 
 
 def works() -> str | None:

@@ -229,6 +229,43 @@ def test_a_learners_tmp_is_private_and_goes_with_their_server(tmp_path):
             server.wait()
 
 
+KEPT = r"""
+import os, stat, sys
+kept, hidden = sys.argv[1], sys.argv[2]
+print("reads", open(os.path.join(kept, "in-the-class")).read())
+open(os.path.join(kept, "written-inside"), "w").write("x")
+print("parent", oct(stat.S_IMODE(os.stat(os.path.dirname(kept)).st_mode)), os.stat(os.path.dirname(kept)).st_uid)
+print("hidden", os.path.exists(hidden), "tmp", os.listdir("/tmp"))
+"""
+
+
+@root_only
+@pytest.mark.timeout(120)
+def test_a_class_written_under_tmp_stays_visible_through_the_private_tmp(request):
+    # a class folder under /tmp (pytest's tmp_path, or `classroom /tmp/class`): the tmpfs would hide
+    # it, and every learner's server failed to enter its home
+    why = private_tmp.works()
+    if why:
+        pytest.skip(f"no mount namespace here: {why}")
+    above = pathlib.Path(tempfile.mkdtemp(prefix="ddplab-kept-", dir="/tmp"))  # right under /tmp, as a class
+    request.addfinalizer(lambda: shutil.rmtree(above, ignore_errors=True))
+    kept = above / "class"
+    kept.mkdir()
+    above.chmod(0o711)
+    kept.chmod(0o777)
+    (kept / "in-the-class").write_text("lab 00")
+    hidden = above / "not-kept"  # beside the class, in the same folder: only the class is bound back
+    hidden.write_text("")
+    said = subprocess.run([PYTHON, "-c", KEPT, str(kept), str(hidden)], capture_output=True, text=True,
+                          timeout=60, cwd="/",
+                          preexec_fn=as_nobody(lambda: private_tmp.enter(16 << 20, keep=[str(kept)])))
+    assert "reads lab 00" in said.stdout, said  # the class's own files, through the private /tmp
+    assert (kept / "written-inside").exists()  # the same folder, not a copy: written there, seen here
+    assert "parent 0o711 0" in said.stdout, said  # the folders above made again as they were
+    assert "hidden False" in said.stdout, said  # the rest of the machine's /tmp stays out of sight
+    assert private_tmp.kept_paths(kept, str(kept) + "/") == [str(kept.resolve())]
+
+
 CLUSTER = r"""
 import os, tempfile
 import torch
