@@ -78,8 +78,11 @@ def minors(driver: pathlib.Path = DRIVER, dev: pathlib.Path = pathlib.Path("/dev
 
 def denied(seat_gpus, known: dict[str, int] | None = None) -> list[int]:
     """The minors of every GPU but the seat's (a CPU-only seat: every GPU). A seat's GPU this
-    machine cannot find is an error: denying by guess could leave the learner their neighbour's."""
+    machine cannot find is an error: denying by guess could leave the learner their neighbour's.
+    On a machine with no GPU node at all (a seat named by a stand-in nvidia-smi) nothing is denied."""
     known = minors() if known is None else known
+    if not known:  # no GPU node and no driver here: nothing a learner could open, nothing to deny
+        return []
     mine = set()
     for gpu in seat_gpus:
         if gpu not in known:

@@ -111,7 +111,7 @@ def describe(memory_gib: float, threads: int, base: pathlib.Path = BASE,
 def enforced(base: pathlib.Path = BASE, namespace: str | None = "unchecked") -> dict[str, str]:
     """What a class's hub (root) would enforce on this machine, by kind, in words: "yes: how" or
     "no: why" (``python -m ddplab doctor`` prints it)."""
-    from ddplab.course import private_tmp
+    from ddplab.course import gpu_nodes, private_tmp
 
     mounted = [c for c in CONTROLLERS if (base / c / "cgroup.procs").exists()]
     have = writable(base)
@@ -135,7 +135,8 @@ def enforced(base: pathlib.Path = BASE, namespace: str | None = "unchecked") -> 
                                         "processes per account (RLIMIT_NPROC)"),
         "CPU per learner": cgroup(["cpu", "cpuset"], "a CPU quota and the seat's CPUs",
                                   "the seat's CPUs as an affinity mask a learner can widen"),
-        "GPUs per learner": cgroup(["devices"], "other seats' /dev/nvidia<N> refused",
+        "GPUs per learner": cgroup(["devices"], "other seats' /dev/nvidia<N> refused" if gpu_nodes.minors()
+                                   else "no GPU node on this machine: nothing to refuse yet",
                                    "CUDA_VISIBLE_DEVICES only, which a learner can change"),
         "nothing outlives a server": cgroup(["memory", "pids", "cpu"], "every member of a learner's groups ended",
                                             "background processes may outlive a server"),

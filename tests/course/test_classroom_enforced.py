@@ -89,6 +89,8 @@ def test_gpu_minors_come_from_the_driver_by_uuid_and_pci_order_not_the_index(tmp
     assert gpu_nodes.denied([], known) == [0, 2]  # a CPU-only seat: no GPU
     with pytest.raises(ValueError, match="GPU-zzz.*not among this machine's GPU devices"):
         gpu_nodes.denied(["GPU-zzz"], known)
+    # no GPU node and no driver (a seat from a stand-in nvidia-smi): nothing to open, nothing denied
+    assert gpu_nodes.denied(["GPU-0001aaaa"], {}) == []
     assert gpu_nodes.rules([0, 2]) == ["c 195:0 rwm", "c 195:2 rwm"]
 
 
