@@ -134,6 +134,12 @@ def spawn_limit(cpus: int) -> int:
     return max(2, cpus)
 
 
+# measured on the machine of MEASURED: a learner who ran all of lab 00 in a class at 1.5 GiB had
+# ranks killed for memory, and grading an untouched submission there lost its kernel
+WHOLE_LAB_KILLED_AT_GIB = 1.5
+WHOLE_LAB_GIB = 3.0  # classroom's default --mem-gib, under which lab 00 ran whole in the hub tests
+
+
 def mem_gib_for(peak_mib: float, margin: float = 1.5) -> float:
     """A --mem-gib above a measured peak: ``margin`` times it, rounded up to a quarter GiB."""
     return math.ceil(peak_mib * margin / 1024 * 4) / 4
@@ -204,10 +210,12 @@ def describe(p: dict) -> list[str]:
         lines.append(f"at {r['started']} learners there, lab 00's first cell took {r['first_cell_median']:.0f} s "
                      f"(median; 95th percentile {r['first_cell_p95']:.0f} s)"
                      + (f"; {p['limit']} at once were not measured" if r["started"] < p["limit"] else ""))
-    if p["suggested_mem_gib"] and p["suggested_mem_gib"] < p["mem_gib"]:
-        lines.append(f"lab 00 peaked at {max(r['peak_mib_max'] for r in m['runs']):.0f} MiB per learner there: "
-                     f"--mem-gib {p['suggested_mem_gib']:g} (1.5 times that) holds {p['limit_at_suggested']} "
-                     "learners here; heavier labs may need more")
+    peak = max(r['peak_mib_max'] for r in m['runs'])
+    lines.append(f"lab 00's first cell peaked at {peak:.0f} MiB per learner there, but a whole lab takes more: "
+                 f"all of lab 00 (3 ranks, then two torchrun nodes of 2 ranks each) was killed for memory at "
+                 f"--mem-gib {WHOLE_LAB_KILLED_AT_GIB:g}, in a learner's server and in its grading. Keep --mem-gib "
+                 f"at {WHOLE_LAB_GIB:g} or more unless you measured the labs you teach (make load-test times the "
+                 "first cell only)")
     return lines
 
 
@@ -216,7 +224,7 @@ def _pair(r: dict, key: str, width: int = 8) -> str:
     return f"{text:>{width}}"
 
 
-def full_page(limit: int, mem_gib: float, spawns: int = 2) -> str:
+def full_page(limit: int, mem_gib: float, spawns: int = 2, set_by_instructor: bool = False) -> str:
     """The class's templates/error.html: JupyterHub's own error page, and when a 429 says the
     active-server limit was reached, what that means in this class and what the instructor can do;
     when it says too many servers are starting, that the learner only has to wait."""
@@ -225,8 +233,10 @@ def full_page(limit: int, mem_gib: float, spawns: int = 2) -> str:
         "{% block error_detail %}",
         "{{ super() }}",
         "{% if status_code == 429 and 'Active user limit' in (message or '') %}",
-        f"<p class=\"ddplab-class-full\"><strong>The class is full</strong>: {limit} servers are running, as many "
-        f"as this machine holds with {mem_gib:g} GiB of memory for each learner. Nobody's work was stopped to "
+        f"<p class=\"ddplab-class-full\"><strong>The class is full</strong>: {limit} servers are running, "
+        + (f"as many as the instructor set (<code>--max-learners {limit}</code>)" if set_by_instructor else
+           f"as many as this machine holds with {mem_gib:g} GiB of memory for each learner")
+        + ". Nobody's work was stopped to "
         "make room. Try again when someone logs out (File &gt; Log Out), or ask the instructor: they can stop "
         "idle servers on the hub's admin page, or start the class with <code>--max-learners</code> or a "
         "smaller <code>--mem-gib</code> (<code>python -m ddplab classroom --plan</code> says what this "

@@ -266,7 +266,8 @@ def _fill(folder: pathlib.Path, names: list[str], proxy: str, per: int, args) ->
         login_limits=login_limits(args, len(names) + 1), max_servers=args.max_servers, spawns=spawns))
     if args.max_servers:
         (folder / "templates").mkdir()
-        (folder / "templates" / "error.html").write_text(capacity.full_page(args.max_servers, args.mem_gib, spawns))
+        (folder / "templates" / "error.html").write_text(capacity.full_page(args.max_servers, args.mem_gib, spawns,
+                                                                              args.max_learners is not None))
     if args.spawner == "slurm":
         from ddplab.course import slurmhub
 

@@ -278,9 +278,10 @@ def full_class_lines(max_servers: int | None, spawns: int = 2) -> list[str]:
     if not max_servers:
         return []
     return [
-        "# The class is full at this many servers (the instructor's counts as one): that many learners'",
-        "# memory limits fit in this machine's memory, so no learner's use can get another's kernel",
-        "# killed (ddplab/course/capacity.py; `python -m ddplab classroom --plan`). The next learner",
+        "# The class is full at this many servers (the instructor's counts as one): by default as many",
+        "# as the learners' memory limits fit in this machine's memory, so no learner's use can get",
+        "# another's kernel killed; --max-learners may have set it otherwise (classroom warned if above",
+        "# that: ddplab/course/capacity.py; `python -m ddplab classroom --plan`). The next learner",
         "# gets JupyterHub's 429 page, which templates/error.html completes with what to do.",
         f"c.JupyterHub.active_server_limit = {max_servers}",
         "# Starting a server is seconds of CPU: all at once, on few cores, they all miss http_timeout.",

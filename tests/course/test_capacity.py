@@ -78,8 +78,9 @@ def test_the_plan_names_the_size_the_shortfall_and_the_measured_times_near_it():
     roomy = capacity.describe(capacity.plan(3.0, 2, live(64.0, 63.5, 32), MEASURED))
     text = "\n".join(roomy)
     assert "holds 20 servers" in text and "WARNING" not in text
-    # 3 GiB each where lab 00 peaked at 640 MiB: a smaller limit is suggested, with what it holds
-    assert "--mem-gib 1 (1.5 times that) holds 61 learners here" in text
+    # lab 00's first cell peaked at 640 MiB, but a whole lab did not fit in 1.5 GiB: no smaller limit
+    assert "first cell peaked at 640 MiB" in text and "killed for memory at --mem-gib 1.5" in text
+    assert "Keep --mem-gib at 3 or more" in text and "holds 61" not in text
     assert "no measured figures stored" in "\n".join(capacity.describe(capacity.plan(3.0, 2, live(), {"runs": []})))
 
 
@@ -132,6 +133,10 @@ def test_the_full_page_extends_jupyterhubs_own_and_speaks_only_for_the_active_se
         status_code=429, message="Active user limit exceeded. Try again in a few minutes.")
     assert "Active user limit exceeded" in full and "<strong>The class is full</strong>: 20 servers" in full
     assert "1 GiB of memory for each learner" in full and "--max-learners" in full and "--plan" in full
+    # a size the instructor chose is said to be theirs, never what the machine holds
+    theirs = capacity.full_page(3, 1.5, spawns=2, set_by_instructor=True)
+    assert "as many as the instructor set (<code>--max-learners 3</code>)" in theirs
+    assert "machine holds with" not in theirs
     busy = "Too many users trying to log in right now. Try again in 40 seconds."
     starting = env.get_template("error.html").render(status_code=429, message=busy)
     assert busy in starting and "starts 2 learners' servers at a time" in starting
