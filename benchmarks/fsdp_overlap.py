@@ -15,8 +15,8 @@ compute. The link's time per all-gather of a big layer (1e6 parameters, 4 MB) is
 on 1 GbE; the layer's forward at batch 32 computes in about 3 ms (traced on this machine), so
 at batch 32 the forward is link-bound and prefetch hides almost nothing there. The ratio of
 link to compute is roughly (CPU FLOP/s) / (batch x link bytes/s) and does not change with
-depth; at batch 128 a big layer's forward (about 12 ms) is close to its all-gather's 15 ms,
-and its backward (longer than its all-gather plus reduce-scatter, 30 ms) hides both.
+depth; at batch 128 a big layer's forward (23 ms traced, load 8) is no shorter than its
+all-gather's 15 ms, so the next layer's weights arrive while it computes.
 A faster link (10gbe: 1.5 ms an all-gather) balances at a batch of about 16, but then the
 whole step's link time is about 10 ms out of a step of hundreds of ms on this shared machine:
 the effect would sit inside the A/A's spread. Printed: per run, step_ms of each and the
