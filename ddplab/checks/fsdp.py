@@ -46,6 +46,7 @@ from __future__ import annotations
 from ddplab.checks import graders
 from ddplab.checks.fsdp_hooks import (  # noqa: F401  (the mistake names: ddplab.checks.fsdp.X)
     ALL_REDUCED,
+    ASSIGNED,
     DIVIDED_TWICE,
     EXPLAIN,
     GATHER_TOO_MANY_BYTES,
@@ -247,11 +248,15 @@ def _grad_size(text: str, ws: int):
     """A shard's .grad set to a tensor of the wrong size (torch refuses it at once): named."""
     import re
 
-    found = re.search(r"gradient of size '\[(\d+)\]' to a tensor of size '\[(\d+)\]'", text)
-    if not found:
-        return None
-    got, n = int(found.group(1)), int(found.group(2))
     numels = [i * o for i, o in LAYERS] + [o for _, o in LAYERS]
+    found = re.search(r"gradient of size '\[(\d+)\]' to a tensor of size '\[(\d+)\]'", text)
+    if found:
+        got, n = int(found.group(1)), int(found.group(2))
+    else:  # sp.shard.grad + piece, the piece of another length than the shard's gradient
+        found = re.search(r"size of tensor a \((\d+)\) must match the size of tensor b \((\d+)\)", text)
+        if not found or int(found.group(1)) not in [-(-m // ws) for m in numels]:
+            return None
+        n, got = int(found.group(1)), int(found.group(2))
     if got == n * ws or any(got == m and -(-m // ws) == n for m in numels):  # padded or not
         return CheckFailed(WHOLE_GRADIENT, f"a piece of {got} elements for a shard of {n}. "
                                            + EXPLAIN[WHOLE_GRADIENT])

@@ -37,6 +37,7 @@ NO_DIVISION = "the gradient piece is the sum over ranks, not the average"
 DIVIDED_TWICE = "the gradient piece averaged twice"
 WHOLE_GRADIENT = "the whole averaged gradient, not this rank's piece"
 WRONG_PIECE = "another rank's piece of the gradient"
+ASSIGNED = "assigned, not added: accumulation would lose earlier micro-batches"
 WRONG_PADDING = "the gradient piece has the wrong length: padded to another size than ceil"
 SCATTER_WRONG = "the gradient piece differs from the average over ranks"
 ALL_REDUCED = "an all-reduce where a reduce-scatter goes"
@@ -77,6 +78,9 @@ EXPLAIN = {
     WHOLE_GRADIENT: "keep only this rank's piece (reduce_scatter_single's output), flat, the "
                     "shard's length.",
     WRONG_PIECE: "rank r keeps piece r: reduce_scatter_single's output on rank r is piece r.",
+    ASSIGNED: "A shard's .grad may already hold the gradient of earlier micro-batches (gradient "
+              "accumulation, or a unit reduced twice in one backward): add the piece to it "
+              "(sp.shard.grad = piece if sp.shard.grad is None else sp.shard.grad + piece).",
     SCATTER_WRONG: "",
     ALL_REDUCED: "an all-reduce sends each rank the whole average: twice a reduce-scatter's ring "
                  "bytes (it IS a reduce-scatter followed by an all-gather). "
@@ -168,6 +172,7 @@ def each_hook(hooks):
     fsdp = FSDP(fresh_model())
     plain = dict(fresh_model().named_parameters())
     full_of = {id(sp): plain[name] for name, sp in fsdp.sharded.items()}
+    assigned = None
     for unit in fsdp.units:
         shard_bytes = sum(sp.shard.numel() * sp.shard.element_size() for sp in unit.params)
         seen = Bytes()
@@ -194,11 +199,16 @@ def each_hook(hooks):
                          for r in range(ws)]
                 grads[id(sp)] = every
                 t.grad = every[rank].clone()
+        earlier = {}  # a gradient the shard holds already, as under accumulation: it must be kept
+        for sp in unit.params:
+            g = torch.Generator().manual_seed(3 + rank + 11 * sp.numel)
+            earlier[id(sp)] = torch.randn(sp.shard.shape, generator=g)
+            sp.shard.grad = earlier[id(sp)].clone()
         seen = Bytes()
         with observe(seen):
             hooks["post_backward"](fsdp, unit)
-        for sp in unit.params:
-            _reduced(sp, grads[id(sp)], rank, ws)
+        for sp in unit.params:  # assigned, not added: told last, when nothing else is wrong
+            assigned = assigned or _reduced(sp, grads[id(sp)], earlier[id(sp)], rank, ws)
         _scatter_bytes(unit, seen, rank, ws)
         kept = [t for t in again if t.grad is not None]
         if kept:
@@ -206,6 +216,8 @@ def each_hook(hooks):
                                          "still holds its gradient after post_backward. "
                                          + EXPLAIN[GRAD_KEPT])
         _released(unit, again, rank, NOT_FREED_AFTER_BACKWARD, NOT_FREED_AFTER_BACKWARD)
+    if assigned:
+        raise assigned
 
 
 def _gathered(unit, full_of, rank, ws, hook, after_free=False) -> list:
@@ -278,8 +290,10 @@ def _released(unit, used, rank, not_freed, not_back):
                                      + EXPLAIN[not_freed])
 
 
-def _reduced(sp, every, rank, ws):
-    """The shard's gradient: this rank's piece of the average over ranks, or the mistake."""
+def _reduced(sp, every, earlier, rank, ws):
+    """The shard's gradient: what it held (``earlier``) plus this rank's piece of the average over
+    ranks, or the mistake raised; the piece assigned in place of added is returned, to raise once
+    every other check passed."""
     import torch
 
     n, numel = sp.shard.numel(), sp.numel
@@ -287,24 +301,30 @@ def _reduced(sp, every, rank, ws):
     total = torch.stack(flat).double().sum(0)
     mine = sp.shard.grad
     answer = (total / ws)[rank * n:(rank + 1) * n]
+    before = earlier.reshape(-1).double()
     where = f"rank {rank}, a weight of {numel} elements at {ws} ranks"
     if mine is None:
         raise CheckFailed(NO_GRADIENT, f"{where}: sp.shard.grad is None. " + EXPLAIN[NO_GRADIENT])
     mine = mine.detach().reshape(-1)
-    if _close(mine, answer):
+    if _close(mine, before + answer):
         return
+    if _close(mine, answer):
+        return CheckFailed(ASSIGNED, f"{where}: the shard's .grad held a gradient before "
+                                    "post_backward, and after it holds only the new piece. "
+                                    + EXPLAIN[ASSIGNED])
     wrong = [(flat[rank][rank * n:(rank + 1) * n], NOT_REDUCED),
              (total[rank * n:(rank + 1) * n], NO_DIVISION),
              (answer / ws, DIVIDED_TWICE), (total / ws, WHOLE_GRADIENT),
              ((total / ws)[:numel], WHOLE_GRADIENT)]
     wrong += [((total / ws)[r * n:(r + 1) * n], WRONG_PIECE) for r in range(ws) if r != rank]
-    for value, mistake in wrong:
-        if _close(mine, value):
+    for value, mistake in wrong:  # added to what the shard held, or assigned
+        if _close(mine, value) or (value.numel() == n and _close(mine, before + value)):
             raise CheckFailed(mistake, f"{where}. " + EXPLAIN[mistake])
     if mine.numel() != n:
         raise CheckFailed(WRONG_PADDING, f"{where}: a piece of {mine.numel()} elements where "
                                          f"n = ceil({numel} / {ws}) = {n}. " + EXPLAIN[WRONG_PADDING])
-    raise CheckFailed(SCATTER_WRONG, f"{where}: expected piece {rank} of the average over ranks.")
+    raise CheckFailed(SCATTER_WRONG, f"{where}: expected what the shard's .grad held plus piece "
+                                     f"{rank} of the average over ranks.")
 
 
 def _scatter_bytes(unit, seen, rank, ws):
