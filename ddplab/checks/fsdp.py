@@ -313,6 +313,7 @@ def check_fsdp_hooks(cluster, pre_forward, post_forward, pre_backward, post_back
     if getattr(cluster, "world_size", 0) < 2:
         raise ValueError("this check needs a Cluster of at least 2 ranks: ddplab.Cluster(2)")
     graders.passed["fsdp"] = False
+    graders.refuse_changed_torch(cluster)
     limit = timeout or 2 * getattr(cluster, "timeout", 60) + 60
     try:
         results = cluster.run_job(_on_rank, (hooks,), job_timeout=limit)

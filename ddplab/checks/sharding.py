@@ -45,7 +45,7 @@ from __future__ import annotations
 import operator
 import uuid
 
-from ddplab.checks.graders import passed  # exercise -> last verdict in this kernel
+from ddplab.checks.graders import passed, refuse_changed_torch  # passed: exercise -> last verdict
 from ddplab.checks.mistakes import HUNG, NOT_IMPLEMENTED, RAISED, WRONG, CheckFailed
 from ddplab.cluster.errors import RankError
 
@@ -324,6 +324,7 @@ def check_sharded_step(cluster, step, partition=None, *, timeout: float = 60.0) 
     if getattr(cluster, "world_size", 0) < 2:
         raise ValueError("this check needs a Cluster of at least 2 ranks: ddplab.Cluster(2)")
     passed["sharded_step"] = False
+    refuse_changed_torch(cluster)
     try:
         per_rank = cluster.run_job(_grade_on_rank, (step, partition, uuid.uuid4().hex),
                                    job_timeout=timeout)

@@ -23,7 +23,7 @@ HERE = "tests/project/test_layers.py"
 # here, at the level it belongs to.
 MODULES = {
     # the bottom rooms: the clock and contracts, the observing process group, where ranks run
-    0: {"ddplab.contracts": ["", "clock", "protocols"],
+    0: {"ddplab.contracts": ["", "clock", "pristine", "protocols"],
         "ddplab.pg": ["", "backend", "group", "inner", "p2p_blocks", "p2p_watch", "works"],
         "ddplab.placement": ["", "gpu_facts", "gpu_locks", "gpus", "resources"]},
     1: {"ddplab.netsim": ["", "costmodel", "link", "simulated"]},
