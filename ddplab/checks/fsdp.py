@@ -279,6 +279,8 @@ def _verdict(err: RankError, ws: int) -> CheckFailed:
     waiting += sorted(r for r, t in said.items() if timed_out(t))
     others = {r: t for r, t in said.items() if not timed_out(t)
               and not isinstance(exceptions[r], CheckFailed)}
+    if graders.outside_collectives(err):  # no collective pending there: not a hang, a loop
+        return graders.not_finished(err, graders.outside_collectives(err))
     if waiting or isinstance(err, TimeoutError):
         if others:  # a rank raised first and left the others waiting: the cause is its error
             text = "\n".join(f"rank {r}: {t}" for r, t in others.items())

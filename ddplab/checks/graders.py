@@ -25,6 +25,7 @@ from ddplab.checks import workload as W
 from ddplab.checks.mistakes import HUNG, NOT_IMPLEMENTED, RAISED, CheckFailed, diagnose
 
 STATE_CHANGED = "an earlier cell changed torch on the ranks"
+NOT_FINISHED = "your code did not finish (a loop that never ends?)"
 from ddplab.cluster.errors import JobTimeout, RankError
 
 passed: dict = {}  # exercise -> True / False (last verdict in this kernel)
@@ -257,3 +258,21 @@ def refuse_changed_torch(cluster) -> None:
                           + "\n".join(said) + "\nUndo it in a %%ddp cell (as written after each "
                           "colon), or restart the ranks (cluster.shutdown(), then a new "
                           "ddplab.Cluster(...)), and run the check again.")
+
+
+def outside_collectives(err: RankError) -> list:
+    """The ranks a job timeout found running, none of whose threads was inside torch.distributed
+    or ddplab's process group (their Python stacks, dumped when the job ran out of time): the
+    code never finished on its own, no collective is pending there. Empty: none, or unknown."""
+    stacks = getattr(err, "stacks", None) or {}
+    return sorted(r for r, text in stacks.items() if text.strip()
+                  and "torch/distributed/" not in text and "ddplab/pg/" not in text)
+
+
+def not_finished(err: RankError, ranks: list) -> CheckFailed:
+    where = "\n".join(f"rank {r} was here (Python stack):\n{err.stacks[r].rstrip()[-1200:]}"
+                       for r in ranks)
+    return CheckFailed(NOT_FINISHED, f"rank(s) {ranks} were still running your code when the "
+                       "check ran out of time, and no collective was pending on them: a loop that "
+                       "never ends, or a wait on something that never comes. Look at where each "
+                       "was:\n" + where + "\n(The ranks were replaced.)")

@@ -96,3 +96,25 @@ def test_torch_changed_by_an_earlier_cell_is_named_before_grading_both_labs(clus
     finally:
         cluster2.run(_undo)
     assert S.check_sharded_step(cluster2, CAT.per_param)  # undone: graded, and passes
+
+
+def _never_ends(*args):
+    while True:
+        pass
+
+
+@pytest.mark.slow  # two job timeouts of 6 s, and the ranks replaced after each: ~40 s
+def test_a_loop_that_never_ends_is_not_called_a_hang_in_a_collective(cluster2):
+    import _catalogue_fsdp as FCAT
+
+    from ddplab.checks.graders import NOT_FINISHED
+
+    cloudpickle.register_pickle_by_value(FCAT)
+    with pytest.raises(CheckFailed) as e:  # ~8 s, then the ranks are replaced
+        S.check_sharded_step(cluster2, _never_ends, CAT.largest_first, timeout=6)
+    assert e.value.mistake == NOT_FINISHED and "_never_ends" in str(e.value), str(e.value)
+    fn = FCAT.CORRECT[0]
+    with pytest.raises(CheckFailed) as e:
+        FCAT.FC.check_fsdp_hooks(cluster2, _never_ends, fn.post_forward, fn.pre_backward,
+                                 fn.post_backward, timeout=6)
+    assert e.value.mistake == NOT_FINISHED, str(e.value)
