@@ -49,6 +49,7 @@ from ddplab.checks.fsdp_hooks import (  # noqa: F401  (the mistake names: ddplab
     ASSIGNED,
     DIVIDED_TWICE,
     EXPLAIN,
+    FREED_TOO_EARLY,
     GATHER_TOO_MANY_BYTES,
     GATHER_WRONG,
     GATHERED_GRADIENTS,
@@ -220,6 +221,11 @@ def _hints(text: str) -> str:
     low = text.lower()
     if "check failed" in low and "worldsize" in low:
         return GLOO_SIZE_HOW
+    if "is invalid for input of size" in low:
+        return ("\nA view to the weight's shape of a flat tensor of another length: the gathered "
+                "flat weight is n * world_size long, padding included; cut it to numel first "
+                "(out[:sp.numel].view(sp.shape)), and pad a flat gradient to n * world_size, "
+                "n = ceil(numel / world_size).")
     if "must match the size" in low:
         return "\nA flat gathered weight was copied into a shaped one: view(sp.shape) first."
     if "mat1 and mat2" in low:

@@ -37,6 +37,7 @@ NO_DIVISION = "the gradient piece is the sum over ranks, not the average"
 DIVIDED_TWICE = "the gradient piece averaged twice"
 WHOLE_GRADIENT = "the whole averaged gradient, not this rank's piece"
 WRONG_PIECE = "another rank's piece of the gradient"
+FREED_TOO_EARLY = "the full weights were freed before the layer used them"
 ASSIGNED = "assigned, not added: accumulation would lose earlier micro-batches"
 WRONG_PADDING = "the gradient piece has the wrong length: padded to another size than ceil"
 SCATTER_WRONG = "the gradient piece differs from the average over ranks"
@@ -78,6 +79,10 @@ EXPLAIN = {
     WHOLE_GRADIENT: "keep only this rank's piece (reduce_scatter_single's output), flat, the "
                     "shard's length.",
     WRONG_PIECE: "rank r keeps piece r: reduce_scatter_single's output on rank r is piece r.",
+    FREED_TOO_EARLY: "free_storage releases the memory the layer computes with: the forward (and "
+                     "the backward) would read freed memory, which torch does not check (the "
+                     "process may crash). Free the full weights in post_forward, after swap_out, "
+                     "and at the end of post_backward.",
     ASSIGNED: "A shard's .grad may already hold the gradient of earlier micro-batches (gradient "
               "accumulation, or a unit reduced twice in one backward): add the piece to it "
               "(sp.shard.grad = piece if sp.shard.grad is None else sp.shard.grad + piece).",
@@ -178,7 +183,7 @@ def each_hook(hooks):
         seen = Bytes()
         with observe(seen):
             hooks["pre_forward"](fsdp, unit)
-        used = _gathered(unit, full_of, rank, ws, "pre_forward")
+        used = _gathered(unit, full_of, rank, ws, "pre_forward", sent=bool(seen.calls))
         sent, allowed = ring_bytes(seen.calls, ws), (ws - 1) * shard_bytes
         if sum(sent.values()) > allowed * (1 + 1e-9):
             raise CheckFailed(GATHER_TOO_MANY_BYTES, f"rank {rank}: pre_forward sent {said(sent)} "
@@ -186,8 +191,10 @@ def each_hook(hooks):
                               + EXPLAIN[GATHER_TOO_MANY_BYTES])
         hooks["post_forward"](fsdp, unit)
         _released(unit, used, rank, NOT_FREED, NOT_SWAPPED_BACK)
-        hooks["pre_backward"](fsdp, unit)
-        again = _gathered(unit, full_of, rank, ws, "pre_backward", after_free=True)
+        seen = Bytes()
+        with observe(seen):
+            hooks["pre_backward"](fsdp, unit)
+        again = _gathered(unit, full_of, rank, ws, "pre_backward", after_free=True, sent=bool(seen.calls))
         if any(a is not u for a, u in zip(again, used)) and not all(_held(u) for u in used):
             raise CheckFailed(NEW_TENSORS, f"rank {rank}: the layer's weights after pre_backward "
                               "are other tensors than pre_forward swapped in, whose memory is "
@@ -220,7 +227,7 @@ def each_hook(hooks):
         raise assigned
 
 
-def _gathered(unit, full_of, rank, ws, hook, after_free=False) -> list:
+def _gathered(unit, full_of, rank, ws, hook, after_free=False, sent=False) -> list:
     """The layer's weights after ``hook``: each the full weight, or the mistake named."""
     used = []
     for t, sp in _slots(unit):
@@ -237,6 +244,10 @@ def _gathered(unit, full_of, rank, ws, hook, after_free=False) -> list:
             raise CheckFailed(NOT_SWAPPED_IN if fulls else NOT_GATHERED,
                               f"{where} is this rank's flat shard. "
                               + EXPLAIN[NOT_SWAPPED_IN if fulls else NOT_GATHERED])
+        if not _held(t) and sent and any(t is f for f in unit.fulls):  # gathered, then freed
+            raise CheckFailed(FREED_TOO_EARLY, f"{where}: the hook gathered, and the full weight "
+                                               "in the layer has no memory when it returns. "
+                                               + EXPLAIN[FREED_TOO_EARLY])
         if not _held(t):
             raise CheckFailed(NOT_REGATHERED if after_free else GATHER_WRONG,
                               f"{where}: its memory is freed (nothing was copied into it). "
