@@ -267,7 +267,13 @@ def _gathered(unit, full_of, rank, ws, hook, after_free=False, sent=False) -> li
                 _close(flat, _cat(pieces, order)[:sp.numel]) for order in _orders(ws)):
             raise CheckFailed(WRONG_ORDER, f"{where} holds the right pieces in another order. "
                                            + EXPLAIN[WRONG_ORDER])
-        raise CheckFailed(GATHER_WRONG, f"{where} is {tuple(t.shape)}, not the full weight.")
+        if tuple(t.shape) != tuple(sp.shape):
+            raise CheckFailed(GATHER_WRONG, f"{where} is {tuple(t.shape)}, not the full weight.")
+        raise CheckFailed(GATHER_WRONG, f"{where} has the right shape and other values than the "
+                                        "full weight: an all-gather with async_op=True read before "
+                                        "its work.wait(), or pieces cut at the wrong places (rank "
+                                        "r's piece is out[r * n:(r + 1) * n], n the shard's "
+                                        "length, and the padding is at the end).")
     return used
 
 
@@ -335,7 +341,9 @@ def _reduced(sp, every, earlier, rank, ws):
         raise CheckFailed(WRONG_PADDING, f"{where}: a piece of {mine.numel()} elements where "
                                          f"n = ceil({numel} / {ws}) = {n}. " + EXPLAIN[WRONG_PADDING])
     raise CheckFailed(SCATTER_WRONG, f"{where}: expected what the shard's .grad held plus piece "
-                                     f"{rank} of the average over ranks.")
+                                     f"{rank} of the average over ranks (a reduce-scatter with "
+                                     "async_op=True must be waited for, work.wait(), before its "
+                                     "output is read).")
 
 
 def _scatter_bytes(unit, seen, rank, ws):
