@@ -45,8 +45,9 @@ MODULES = {
     6: {"ddplab.lessons": ["", "checkpoints", "claims", "common", "compression", "data", "firstgroup", "hangs",
                            "fsdp_overlap", "pipeline", "reducer_map", "ring", "sharding", "training", "yourmodel"]},
     7: {"ddplab.widgets": ["", "compare", "demo", "gantt", "html", "live", "memory", "panel", "scaling", "sweep"]},
-    8: {"ddplab.checks": ["", "compression", "data", "firstgroup", "fsdp", "fsdp_hooks", "graders", "hangs", "mistakes", "on_rank",
-                          "pipeline", "reducer_map", "ring", "sharding", "watch", "workload", "yourmodel"]},
+    8: {"ddplab.checks": ["", "compression", "data", "firstgroup", "fsdp", "fsdp_hooks", "graders", "hangs",
+                          "mistakes", "on_rank", "pipeline", "reducer_map", "ring", "sharding", "watch", "workload",
+                          "yourmodel"]},
     # the front doors: they may use everything below
     9: {"ddplab.notebook": ["", "completion", "ddpcell", "export", "magics", "rankview", "sbatch"],
         "ddplab.course": ["", "accounts", "capacity", "classroom", "classroom_readme", "exchange_guard", "exercises",
