@@ -309,6 +309,26 @@ def no_none_check(fsdp, unit):
     post_forward(fsdp, unit)
 
 
+def assigns_not_adds(fsdp, unit):
+    """sp.shard.grad = piece: right once, but it drops what the shard held (accumulation)."""
+    ws = fsdp.world_size
+    for sp, full in zip(unit.params, unit.fulls):
+        if full.grad is not None:
+            n = sp.shard.numel()
+            piece = torch.empty(n)
+            dist.reduce_scatter_single(piece, F.pad(full.grad.reshape(-1), (0, n * ws - sp.numel)))
+            sp.shard.grad = piece / ws
+            full.grad = None
+    post_forward(fsdp, unit)
+
+
+def frees_in_pre_forward(fsdp, unit):
+    """Gathered, swapped in, then freed at once: the forward would read freed memory."""
+    pre_forward(fsdp, unit)
+    for full in unit.fulls:
+        free_storage(full)
+
+
 def rank0_only_regathers(fsdp, unit):
     if dist.get_rank() == 0:  # the other ranks think the weights are still there
         pre_forward(fsdp, unit)
@@ -343,6 +363,9 @@ WRONG = [(hooks("not_written", pre_forward=not_written, post_forward=not_written
          (hooks("no_alloc", pre_forward=no_alloc, pre_backward=no_alloc), RAISED),
          (hooks("copied_under_no_grad", pre_forward=copied_under_no_grad,
                 pre_backward=copied_under_no_grad), RAISED),
+         (hooks("assigns_not_adds", post_backward=assigns_not_adds), FC.ASSIGNED),
+         (hooks("frees_in_pre_forward", pre_forward=frees_in_pre_forward,
+                pre_backward=frees_in_pre_forward), FC.FREED_TOO_EARLY),
          (hooks("rank0_only_regathers", pre_backward=rank0_only_regathers), HUNG)]
 # at 3 ranks: the correct ways, and the slips whose numbers change with an odd world size
 WRONG_3 = [(fn, m) for fn, m in WRONG if fn.__name__ in ("pads_one_more", "reversed_pieces",

@@ -169,6 +169,22 @@ def all_reduced(local, params, owner):
 
 
 @torch.no_grad()
+def all_reduced_averaged(local, params, owner):
+    """The mean of every rank's copy: the owner's stepped one with the others' unstepped ones."""
+    local.step()
+    for p in params:
+        dist.all_reduce(p)
+        p /= dist.get_world_size()
+
+
+def own_full_adam(local, params, owner):
+    """Every rank steps every parameter with an Adam of its own: nothing sharded, nothing sent."""
+    if not hasattr(local, "full_copy"):
+        local.full_copy = torch.optim.Adam(params, lr=local.param_groups[0]["lr"])
+    local.full_copy.step()
+
+
+@torch.no_grad()
 def gathered_never_copied(local, params, owner):
     local.step()
     shares, longest, flat = _flat_padded(params, owner)
@@ -319,7 +335,9 @@ WRONG = [(solution(largest_first, no_broadcast), S.NO_BROADCAST),
          (solution(largest_first, divided_again), S.DIVIDED_TWICE),
          (solution(largest_first, no_step), S.NO_STEP),
          (solution(largest_first, twice), S.WRONG_BYTES),
-         (solution(largest_first, all_reduced), S.WRONG_BYTES),
+         (solution(largest_first, all_reduced), S.AVERAGED_COPIES),
+         (solution(round_robin, all_reduced_averaged), S.AVERAGED_COPIES),
+         (solution(round_robin, own_full_adam), S.OWN_OPTIMIZER),
          (solution(round_robin, gathered_never_copied), S.NOT_COPIED_BACK),
          (solution(largest_first, gathered_without_padding), RAISED),
          (solution(largest_first, cut_as_if_unpadded), S.WRONG_CUT),

@@ -23,6 +23,9 @@ import linecache
 
 from ddplab.checks import workload as W
 from ddplab.checks.mistakes import HUNG, NOT_IMPLEMENTED, RAISED, CheckFailed, diagnose
+
+STATE_CHANGED = "an earlier cell changed torch on the ranks"
+NOT_FINISHED = "your code did not finish (a loop that never ends?)"
 from ddplab.cluster.errors import JobTimeout, RankError
 
 passed: dict = {}  # exercise -> True / False (last verdict in this kernel)
@@ -235,3 +238,41 @@ def yours_or_ours(exercise: str, yours, ours):
     print(f"Your {TITLES[exercise]} {why}: the cells below use ddplab's own "
           f"{getattr(ours, '__name__', ours)} instead.")
     return ours
+
+
+def _changes_here() -> list:
+    from ddplab.contracts.pristine import changes
+
+    return changes()
+
+
+def refuse_changed_torch(cluster) -> None:
+    """Before grading: every rank's grad mode, default dtype and torch.distributed functions as
+    the rank started, or a CheckFailed naming what a cell changed. A job of its own, with no
+    collective: a rank changed alone cannot leave the others waiting in the grader's."""
+    per_rank = cluster.run_job(_changes_here, job_timeout=30)
+    said = [f"rank {r}: {c}" for r, found in enumerate(per_rank) for c in (found or [])]
+    if said:
+        raise CheckFailed(STATE_CHANGED, "what a cell ran on the ranks stays in force for every "
+                          "later cell, this check's included, and correct code fails under it:\n"
+                          + "\n".join(said) + "\nUndo it in a %%ddp cell (as written after each "
+                          "colon), or restart the ranks (cluster.shutdown(), then a new "
+                          "ddplab.Cluster(...)), and run the check again.")
+
+
+def outside_collectives(err: RankError) -> list:
+    """The ranks a job timeout found running, none of whose threads was inside torch.distributed
+    or ddplab's process group (their Python stacks, dumped when the job ran out of time): the
+    code never finished on its own, no collective is pending there. Empty: none, or unknown."""
+    stacks = getattr(err, "stacks", None) or {}
+    return sorted(r for r, text in stacks.items() if text.strip()
+                  and "torch/distributed/" not in text and "ddplab/pg/" not in text)
+
+
+def not_finished(err: RankError, ranks: list) -> CheckFailed:
+    where = "\n".join(f"rank {r} was here (Python stack):\n{err.stacks[r].rstrip()[-1200:]}"
+                       for r in ranks)
+    return CheckFailed(NOT_FINISHED, f"rank(s) {ranks} were still running your code when the "
+                       "check ran out of time, and no collective was pending on them: a loop that "
+                       "never ends, or a wait on something that never comes. Look at where each "
+                       "was:\n" + where + "\n(The ranks were replaced.)")

@@ -45,7 +45,12 @@ from __future__ import annotations
 import operator
 import uuid
 
-from ddplab.checks.graders import passed  # exercise -> last verdict in this kernel
+from ddplab.checks.graders import (  # passed: exercise -> last verdict
+    not_finished,
+    outside_collectives,
+    passed,
+    refuse_changed_torch,
+)
 from ddplab.checks.mistakes import HUNG, NOT_IMPLEMENTED, RAISED, WRONG, CheckFailed
 from ddplab.cluster.errors import RankError
 
@@ -60,6 +65,8 @@ DIVIDED_TWICE = "the gradients divided by the world size again"
 WRONG_CUT = "the gathered shards cut into the wrong parameters"
 WRONG_BYTES = "not one copy of the parameters sent"
 NOT_WAITED = "an asynchronous collective never waited for"
+AVERAGED_COPIES = "averaged stepped and unstepped copies"
+OWN_OPTIMIZER = "the weights changed, but not through the local optimizer"
 STEPS = 3
 GATHERS = {"all_gather", "all_gather_into_tensor"}
 HUNG_HOW = ("\nEvery rank makes every collective: each broadcast (the owner sending, the others "
@@ -196,6 +203,16 @@ def _shares(per_rank: list) -> list:
 
 def _traffic(per_rank: list) -> None:
     size, largest = sum(per_rank[0]["sizes"]), max(_shares(per_rank))
+    worst = max(s["vs_one_process"] for r in per_rank for s in r["steps"])
+    if worst > 1e-12 and any("all_reduce" in s["by_op"] for r in per_rank for s in r["steps"]):
+        # the values first: an all-reduce of parameters nobody zeroed sums every rank's copy,
+        # stepped by its owner or not, and the weights are wrong whatever the traffic
+        raise CheckFailed(AVERAGED_COPIES, f"your weights are {worst:.2e} away from one process's: "
+                          "an all-reduce sums every rank's copy of a parameter, and only its owner "
+                          "stepped it: divided by the world size or not, the stepped copy is mixed "
+                          "with unstepped ones. Zero the parameters a rank does not own first, or "
+                          "better, send each parameter once, from its owner "
+                          "(dist.broadcast(p, src=owner[p])).")
     for r in per_rank:
         for i, s in enumerate(r["steps"]):
             ops = set(s["by_op"])
@@ -253,6 +270,15 @@ def diagnose(per_rank: list) -> None:
                                             sorted(errors.items())) + pad)
     _diagnose_partition(per_rank)
     first = [r["steps"][0] for r in per_rank]
+    moved = any(not all(s["unchanged"]) for s in first)
+    if not any(s["stepped"] for s in first) and moved:
+        raise CheckFailed(OWN_OPTIMIZER, "your step changed the weights, yet local_optimizer "
+                                         "never stepped: each rank updated parameters with an "
+                                         "optimizer of its own (every parameter, with Adam's "
+                                         "state for all of them on every rank: nothing sharded, "
+                                         "no memory saved). Step local_optimizer, which holds "
+                                         "this rank's share only, then share the parameters from "
+                                         "their owners.")
     if not any(s["stepped"] for s in first):
         raise CheckFailed(NO_STEP, "no weight changed on any rank: call local_optimizer.step() "
                                    "first; it updates this rank's share.")
@@ -324,12 +350,15 @@ def check_sharded_step(cluster, step, partition=None, *, timeout: float = 60.0) 
     if getattr(cluster, "world_size", 0) < 2:
         raise ValueError("this check needs a Cluster of at least 2 ranks: ddplab.Cluster(2)")
     passed["sharded_step"] = False
+    refuse_changed_torch(cluster)
     try:
         per_rank = cluster.run_job(_grade_on_rank, (step, partition, uuid.uuid4().hex),
                                    job_timeout=timeout)
     except RankError as err:
         cluster.ensure_ready(stale="The sharded step stopped halfway: a collective may still "
                                    "be posted inside gloo.")
+        if outside_collectives(err):  # no collective pending there: not a hang, a loop
+            raise not_finished(err, outside_collectives(err)) from None
         if isinstance(err, TimeoutError) or "imeout" in str(err):
             raise CheckFailed(HUNG, str(err).splitlines()[0] + HUNG_HOW) from None
         raise CheckFailed(RAISED, str(err).splitlines()[0] + _hint(str(err))) from None

@@ -44,3 +44,8 @@ def test_an_unpadded_reduce_scatter_stopped_by_gloo_is_told_to_pad(cluster2):
 def test_a_hook_not_callable_is_refused_in_words(cluster2):
     with pytest.raises(TypeError, match="pass your post_backward function itself"):
         FC.check_fsdp_hooks(cluster2, CAT.pre_forward, CAT.post_forward, CAT.pre_forward, None)
+
+
+def test_a_view_of_the_padded_gather_is_told_to_cut_the_padding():
+    said = FC._hints("rank 0: RuntimeError: shape '[7, 5]' is invalid for input of size 36")
+    assert "padding included" in said and "out[:sp.numel].view(sp.shape)" in said

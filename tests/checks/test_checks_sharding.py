@@ -56,3 +56,65 @@ def test_an_async_broadcast_never_waited_for_is_named(cluster2):
     with pytest.raises(CheckFailed) as e:
         S.check_sharded_step(cluster2, CAT.async_never_waited, CAT.largest_first)
     assert e.value.mistake == S.NOT_WAITED and "work.wait()" in str(e.value), str(e.value)
+
+
+def _leave_changed_torch():
+    """What a learner's cell might leave on a rank: grad mode off, float64, a patched collective."""
+    import torch
+
+    torch.set_grad_enabled(False)
+    torch.set_default_dtype(torch.float64)
+    dist.broadcast = lambda *a, **k: None
+
+
+def _undo():
+    import torch
+    from torch.distributed import distributed_c10d as c10d
+
+    torch.set_grad_enabled(True)
+    torch.set_default_dtype(torch.float32)
+    dist.broadcast = c10d.broadcast
+
+
+def test_torch_changed_by_an_earlier_cell_is_named_before_grading_both_labs(cluster2):
+    import _catalogue_fsdp as FCAT
+
+    from ddplab.checks.graders import STATE_CHANGED
+
+    cloudpickle.register_pickle_by_value(FCAT)
+    cluster2.run(_leave_changed_torch)
+    try:
+        for grade in (lambda: S.check_sharded_step(cluster2, CAT.per_param),
+                      lambda: FCAT._check(cluster2, FCAT.CORRECT[0])):
+            with pytest.raises(CheckFailed) as e:  # correct code, refused before it runs
+                grade()
+            said = str(e.value)
+            assert e.value.mistake == STATE_CHANGED, said
+            for change in ("grad mode is off", "default dtype is torch.float64",
+                           "torch.distributed.broadcast is not torch's own", "restart the ranks"):
+                assert change in said, said
+    finally:
+        cluster2.run(_undo)
+    assert S.check_sharded_step(cluster2, CAT.per_param)  # undone: graded, and passes
+
+
+def _never_ends(*args):
+    while True:
+        pass
+
+
+@pytest.mark.slow  # two job timeouts of 6 s, and the ranks replaced after each: ~40 s
+def test_a_loop_that_never_ends_is_not_called_a_hang_in_a_collective(cluster2):
+    import _catalogue_fsdp as FCAT
+
+    from ddplab.checks.graders import NOT_FINISHED
+
+    cloudpickle.register_pickle_by_value(FCAT)
+    with pytest.raises(CheckFailed) as e:  # ~8 s, then the ranks are replaced
+        S.check_sharded_step(cluster2, _never_ends, CAT.largest_first, timeout=6)
+    assert e.value.mistake == NOT_FINISHED and "_never_ends" in str(e.value), str(e.value)
+    fn = FCAT.CORRECT[0]
+    with pytest.raises(CheckFailed) as e:
+        FCAT.FC.check_fsdp_hooks(cluster2, _never_ends, fn.post_forward, fn.pre_backward,
+                                 fn.post_backward, timeout=6)
+    assert e.value.mistake == NOT_FINISHED, str(e.value)

@@ -23,7 +23,7 @@ HERE = "tests/project/test_layers.py"
 # here, at the level it belongs to.
 MODULES = {
     # the bottom rooms: the clock and contracts, the observing process group, where ranks run
-    0: {"ddplab.contracts": ["", "clock", "protocols"],
+    0: {"ddplab.contracts": ["", "clock", "pristine", "protocols"],
         "ddplab.pg": ["", "backend", "group", "inner", "p2p_blocks", "p2p_watch", "works"],
         "ddplab.placement": ["", "gpu_facts", "gpu_locks", "gpus", "resources"]},
     1: {"ddplab.netsim": ["", "costmodel", "link", "simulated"]},
@@ -45,8 +45,9 @@ MODULES = {
     6: {"ddplab.lessons": ["", "checkpoints", "claims", "common", "compression", "data", "firstgroup", "hangs",
                            "fsdp_overlap", "pipeline", "reducer_map", "ring", "sharding", "training", "yourmodel"]},
     7: {"ddplab.widgets": ["", "compare", "demo", "gantt", "html", "live", "memory", "panel", "scaling", "sweep"]},
-    8: {"ddplab.checks": ["", "compression", "data", "firstgroup", "fsdp", "graders", "hangs", "mistakes", "on_rank",
-                          "pipeline", "reducer_map", "ring", "sharding", "watch", "workload", "yourmodel"]},
+    8: {"ddplab.checks": ["", "compression", "data", "firstgroup", "fsdp", "fsdp_hooks", "graders", "hangs",
+                          "mistakes", "on_rank", "pipeline", "reducer_map", "ring", "sharding", "watch", "workload",
+                          "yourmodel"]},
     # the front doors: they may use everything below
     9: {"ddplab.notebook": ["", "completion", "ddpcell", "export", "magics", "rankview", "sbatch"],
         "ddplab.course": ["", "accounts", "capacity", "classroom", "classroom_readme", "exchange_guard", "exercises",
