@@ -198,7 +198,11 @@ def test_two_learners_servers_are_slurm_jobs_culled_and_cancelled():
                 page.keyboard.press("Shift+Enter")
                 page.keyboard.press("Shift+Enter")
             for user, page in pages.items():
-                page.wait_for_function(DONE_JS, arg=[0, 2], timeout=240_000)
+                try:
+                    page.wait_for_function(DONE_JS, arg=[0, 2], timeout=240_000)
+                except Exception:
+                    pytest.fail(f"{user}'s first two cells did not finish in 240 s\n"
+                                + stuck(user, page) + hub_log())
                 text = page.locator(CELLS).nth(1).inner_text()
                 lines = re.findall(r"rank (\d)/(\d) (\S+) job=(\S+) uid=(\d+)", text)
                 assert sorted(lines) == [(str(r), "2", "gloo", jobs[user], str(uids[user])) for r in range(2)], text
@@ -248,6 +252,17 @@ def test_two_learners_servers_are_slurm_jobs_culled_and_cancelled():
     left = [n for n in [*LEARNERS, INSTRUCTOR, f"{INSTRUCTOR}-grader"] if accounts.exists(n)]
     assert not left, "accounts left behind"
     assert not strays, f"processes left after Slurm's stop: {strays}"
+
+
+def stuck(user, page) -> str:
+    """What a learner's page shows and what runs as that learner, for a cell that never finished."""
+    try:
+        cells = "\n---\n".join(page.locator(CELLS).all_inner_texts())[-4000:]
+    except Exception as e:  # the page itself may be gone
+        cells = f"(the page could not be read: {e})"
+    ps = subprocess.run(["ps", "-u", user, "-o", "pid,ppid,stat,etime,time,rss,args", "--forest"],
+                        capture_output=True, text=True).stdout
+    return f"cells:\n{cells}\nprocesses of {user}:\n{ps}\nload: {os.getloadavg()}\n"
 
 
 def server_listeners(uids):
