@@ -232,6 +232,37 @@ ALL_RAN_JS = "() => {" + KERNEL_JS + """
 }"""
 
 
+NOTEBOOK_CELLS = ".jp-NotebookPanel:not(.lm-mod-hidden) .jp-Cell"
+# cell ``first`` of the shown notebook was sent to its kernel: its prompt says [*] or [n], never [ ]
+SENT_JS = """(first) => {
+  const cell = document.querySelectorAll('.jp-NotebookPanel:not(.lm-mod-hidden) .jp-Cell')[first];
+  const prompt = cell && cell.querySelector('.jp-InputPrompt');
+  return prompt !== null && prompt !== undefined && /\\[(\\*|\\d+)\\]/.test(prompt.textContent);
+}"""
+
+
+def run_cells(page, first: int, count: int, timeout_s: float = 60.0) -> None:
+    """Select code cell ``first`` of the shown notebook and press Shift+Enter ``count`` times,
+    then wait until the first of them was sent to the kernel.
+
+    On a loaded machine JupyterLab can take a click and drop the keys after it (the notebook
+    not yet its active widget: Shift+Enter then runs nothing and the prompts stay ``[ ]``).
+    So the keys are pressed again, once, where nothing was sent after ``timeout_s``; a cell
+    already sent is never sent twice by this."""
+    for attempt in (1, 2):
+        cell = page.locator(NOTEBOOK_CELLS).nth(first)
+        cell.locator(".jp-InputPrompt").click()
+        for _ in range(count):
+            page.keyboard.press("Shift+Enter")
+        try:
+            page.wait_for_function(SENT_JS, arg=first, timeout=timeout_s * 1000)
+            return
+        except Exception:
+            if attempt == 2:
+                raise AssertionError(f"Shift+Enter on cell {first} sent nothing to the kernel, twice "
+                                     f"({timeout_s:g} s each): its prompt still says [ ]") from None
+
+
 def open_notebook(page, lab: Lab, name: str, timeout_s=60.0) -> None:
     """Open ``name`` (relative to the server's root) and wait for its kernel to be idle."""
     page.goto(f"{lab.url}/lab/tree/{name}?reset&token={lab.token}")

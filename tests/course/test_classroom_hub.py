@@ -60,7 +60,7 @@ import _classroom as room
 import nbformat
 import psutil
 import pytest
-from _browser import KERNEL_IDLE_JS, LAB_SETTINGS, chromium, free_port, in_ci, require_browser
+from _browser import KERNEL_IDLE_JS, LAB_SETTINGS, chromium, free_port, in_ci, require_browser, run_cells
 
 from ddplab.course import accounts, limits
 
@@ -176,12 +176,6 @@ def api(url, token, path, method="GET", server=False):
     with urllib.request.urlopen(req, timeout=30) as r:
         body = r.read()
         return body.decode() if server else (json.loads(body) if body else None)
-
-
-def run_cells(page, first, count):
-    page.locator(CELLS).nth(first).locator(".jp-InputPrompt").click()
-    for _ in range(count):
-        page.keyboard.press("Shift+Enter")
 
 
 def log_in(browser, url, user, password):

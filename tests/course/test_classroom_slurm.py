@@ -36,7 +36,7 @@ from pathlib import Path
 import _classroom as room
 import nbformat
 import pytest
-from _browser import KERNEL_IDLE_JS, LAB_SETTINGS, chromium, free_port, in_ci, require_browser
+from _browser import KERNEL_IDLE_JS, LAB_SETTINGS, chromium, free_port, in_ci, require_browser, run_cells
 from _slurm import Slurm, SlurmUnavailable
 
 from ddplab.course import accounts
@@ -194,9 +194,7 @@ def test_two_learners_servers_are_slurm_jobs_culled_and_cancelled():
                 page.goto(f"{url}/user/{user}/lab/tree/slurm.ipynb")
                 page.wait_for_selector(".jp-NotebookPanel .jp-Cell", timeout=120_000)
                 page.wait_for_function(KERNEL_IDLE_JS, timeout=120_000)
-                page.locator(CELLS).nth(0).locator(".jp-InputPrompt").click()
-                page.keyboard.press("Shift+Enter")
-                page.keyboard.press("Shift+Enter")
+                run_cells(page, 0, 2)
             for user, page in pages.items():
                 try:
                     page.wait_for_function(DONE_JS, arg=[0, 2], timeout=240_000)
@@ -207,7 +205,7 @@ def test_two_learners_servers_are_slurm_jobs_culled_and_cancelled():
                 lines = re.findall(r"rank (\d)/(\d) (\S+) job=(\S+) uid=(\d+)", text)
                 assert sorted(lines) == [(str(r), "2", "gloo", jobs[user], str(uids[user])) for r in range(2)], text
             timings["cells run"] = time.monotonic() - start
-            pages["slurmer02"].keyboard.press("Shift+Enter")  # the busy cell: learner 2 stays active
+            run_cells(pages["slurmer02"], 2, 1)  # the busy cell: learner 2 stays active
             pages["slurmer02"].wait_for_selector("text=busy 3", timeout=60_000)
             # 4. learner 1 leaves: the idle culler stops the server, scancel ends the job
             pages["slurmer01"].context.close()
