@@ -259,8 +259,10 @@ def run_cells(page, first: int, count: int, timeout_s: float = 60.0) -> None:
             return
         except Exception:
             if attempt == 2:
+                dialogs = page.locator(".jp-Dialog").all_inner_texts()
                 raise AssertionError(f"Shift+Enter on cell {first} sent nothing to the kernel, twice "
-                                     f"({timeout_s:g} s each): its prompt still says [ ]") from None
+                                     f"({timeout_s:g} s each): its prompt still says [ ]; dialogs "
+                                     f"open: {dialogs or 'none'}") from None
 
 
 def open_notebook(page, lab: Lab, name: str, timeout_s=60.0) -> None:
