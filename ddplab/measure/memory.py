@@ -25,6 +25,12 @@ its peak includes the full weights of the layer being gathered. A storage
 resized in place (FSDP frees gathered weights with ``resize_(0)``) is counted
 at its size after each op.
 
+World sizes smaller than the ranks at hand are measured on a group of the
+first N ranks (``torch.distributed.new_group``), the others waiting: what a
+rank holds depends on the size of the group it trains in, not on how many
+processes exist, and one set of ranks for every N costs a fraction of
+starting ranks anew for each (every rank imports torch).
+
 Leaves out: memory outside tensor storages (the Python heap, gloo's own
 buffers, the allocator's caching on CPU), and buffers (BatchNorm's
 statistics). Between two ops a storage's size is not watched: the peak is
@@ -113,47 +119,47 @@ def held(model, optimizer) -> dict:
 
 # -- the rows: how a rank trains ----------------------------------------------------------
 
-def _ddp(model, optimizer_cls, **kwargs):
+def _ddp(model, optimizer_cls, group=None, **kwargs):
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    ddp = DDP(model)
+    ddp = DDP(model, process_group=group)
     return ddp, optimizer_cls(ddp.parameters(), **kwargs)
 
 
-def _zero1(model, optimizer_cls, **kwargs):
+def _zero1(model, optimizer_cls, group=None, **kwargs):
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from ddplab.sync.core.sharded_optimizer import ShardedOptimizer
 
-    ddp = DDP(model)
-    return ddp, ShardedOptimizer(ddp.parameters(), optimizer_cls, **kwargs)
+    ddp = DDP(model, process_group=group)
+    return ddp, ShardedOptimizer(ddp.parameters(), optimizer_cls, process_group=group, **kwargs)
 
 
-def _torch_zero(model, optimizer_cls, **kwargs):
+def _torch_zero(model, optimizer_cls, group=None, **kwargs):
     from torch.distributed.optim import ZeroRedundancyOptimizer
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    ddp = DDP(model)
-    return ddp, ZeroRedundancyOptimizer(ddp.parameters(), optimizer_cls, **kwargs)
+    ddp = DDP(model, process_group=group)
+    return ddp, ZeroRedundancyOptimizer(ddp.parameters(), optimizer_cls, process_group=group, **kwargs)
 
 
-def _zero2(model, optimizer_cls, **kwargs):
+def _zero2(model, optimizer_cls, group=None, **kwargs):
     from ddplab.sync.core.zero2 import ZeroTwo
 
-    return model, ZeroTwo(model.parameters(), optimizer_cls, **kwargs)  # no DDP: it reduces
+    return model, ZeroTwo(model.parameters(), optimizer_cls, process_group=group, **kwargs)  # it reduces
 
 
-def _fsdp(model, optimizer_cls, **kwargs):
+def _fsdp(model, optimizer_cls, group=None, **kwargs):
     from ddplab.sync.core.fsdp import FSDP
 
-    fsdp = FSDP(model)  # model's sharded weights are now this rank's shards
+    fsdp = FSDP(model, process_group=group)  # model's sharded weights are now this rank's shards
     return fsdp, optimizer_cls(fsdp.parameters(), **kwargs)
 
 
-def _torch_fsdp2(model, optimizer_cls, **kwargs):
+def _torch_fsdp2(model, optimizer_cls, group=None, **kwargs):
     from ddplab.sync.registry import build_strategy
 
-    model = build_strategy("torch_fsdp2", model).model  # the strategy row's units
+    model = build_strategy("torch_fsdp2", model, process_group=group).model  # the row's units
     return model, optimizer_cls(model.parameters(), **kwargs)
 
 
@@ -169,11 +175,12 @@ def default_model(width: int = 256, depth: int = 4):
 
 
 def measure_rank(row: str, make_model=default_model, optimizer_cls=torch.optim.Adam,
-                 steps: int = 3, batch: int = 16, lr: float = 1e-3) -> dict:
+                 steps: int = 3, batch: int = 16, lr: float = 1e-3, group=None) -> dict:
     """On each rank (``Cluster.run``): train ``steps`` steps under ``row`` and report
     what the rank holds after the last one, and the peak and bytes sent during it.
     Three steps by default: in its second step torch's DDP rebuilds its buckets and
-    broadcasts their layout (tens of bytes), a one-off the third step no longer has."""
+    broadcasts their layout (tens of bytes), a one-off the third step no longer has.
+    ``group``: train in that process group (the default: every rank)."""
     import contextlib
 
     import torch.distributed as dist
@@ -189,16 +196,16 @@ def measure_rank(row: str, make_model=default_model, optimizer_cls=torch.optim.A
         model = make_model().to(dev)
         counter.track(model.parameters())
         width = next(model.parameters()).shape[-1]  # before FSDP flattens it into a shard
-        trained, opt = ROWS[row](model, optimizer_cls, lr=lr)
+        trained, opt = ROWS[row](model, optimizer_cls, group=group, lr=lr)
         g = torch.Generator().manual_seed(dist.get_rank())
         sent = OpBytes()  # what the last step handed the group, where it is an observing one
         for i in range(steps):
-            last = i == steps - 1 and observing_group() is not None
+            last = i == steps - 1 and observing_group(group) is not None
             x = torch.randn(batch, width, generator=g).to(dev)
             if dev.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(dev)
             counter.reset_peak()
-            with observe(sent) if last else contextlib.nullcontext():
+            with observe(sent, group) if last else contextlib.nullcontext():
                 opt.zero_grad(set_to_none=True)
                 trained(x).square().mean().backward()
                 if hasattr(trained, "finish_gradient_synchronization"):  # ddplab's FSDP
@@ -211,18 +218,49 @@ def measure_rank(row: str, make_model=default_model, optimizer_cls=torch.optim.A
 
 
 def measure(rows=("ddp", "zero1"), world_sizes=(1, 2, 3, 4), **kwargs) -> list:
-    """Start ranks for each world size and measure every row there: one dict per
-    (row, world size, rank), with the FIELDS in bytes."""
+    """Start ranks once, as many as the largest world size, and measure every row at each
+    world size there (``measure_sizes``): one dict per (row, world size, rank), with the
+    FIELDS in bytes."""
     from ddplab.cluster import Cluster
 
-    results = []
-    for ws in world_sizes:
-        with Cluster(world_size=ws) as cluster:
-            results += measure_on(cluster, rows, **kwargs)
-    return results
+    with Cluster(world_size=max(world_sizes)) as cluster:
+        return measure_sizes(cluster, rows, world_sizes, **kwargs)
 
 
 def measure_on(cluster, rows=("ddp", "zero1"), **kwargs) -> list:
     """The same on the ranks of a running ``Cluster`` (a lab's): one dict per (row, rank)."""
     return [{"row": row, "world_size": cluster.world_size, "rank": rank, **got}
             for row in rows for rank, got in enumerate(cluster.run(measure_rank, row, **kwargs))]
+
+
+def measure_sizes(cluster, rows, world_sizes, **kwargs) -> list:
+    """Every row at each world size N on ``cluster``'s ranks: N equal to the cluster's size on
+    all of them (``measure_on``), a smaller N on a group of its first N ranks while the others
+    wait. One dict per (row, world size, rank)."""
+    too_big = [n for n in world_sizes if n > cluster.world_size]
+    if too_big:
+        raise ValueError(f"world sizes {too_big} need more ranks than the cluster's "
+                         f"{cluster.world_size}: start a Cluster of {max(world_sizes)}")
+    out = []
+    for n in world_sizes:
+        if n == cluster.world_size:
+            out += measure_on(cluster, rows, **kwargs)
+            continue
+        per_rank = cluster.run(_measure_in_group, n, rows, **kwargs)
+        out += [{"row": row, "world_size": n, "rank": rank, **got[i]}
+                for i, row in enumerate(rows) for rank, got in enumerate(per_rank[:n])]
+    return out
+
+
+def _measure_in_group(n: int, rows, **kwargs):
+    """On every rank: a group of ranks 0..n-1 (every rank calls ``new_group``, torch's rule,
+    member or not); its members measure each row in it, the others return None."""
+    import torch.distributed as dist
+
+    group = dist.new_group(list(range(n)))
+    if dist.get_rank() >= n:
+        return None
+    try:
+        return [measure_rank(row, group=group, **kwargs) for row in rows]
+    finally:
+        dist.destroy_process_group(group)

@@ -62,17 +62,14 @@ def predicted(model, world_sizes=range(1, 9), rows=ROWS) -> dict:
 
 
 def measured(cluster, world_sizes=(1, 2, 3, 4), rows=ROWS, **kwargs) -> list:
-    """Measure every row at each world size: on ``cluster``'s ranks at its own size, on a
-    Cluster started for each other size (``memory.measure``). One dict per (row, size, rank)."""
+    """Measure every row at each world size on one set of ranks (``memory.measure_sizes``):
+    ``cluster``'s, where it has as many ranks as the largest size, else a Cluster of that
+    size started for it. One dict per (row, size, rank)."""
     from ddplab.measure import memory
 
-    out = []
-    for n in world_sizes:
-        if cluster is not None and n == cluster.world_size:
-            out += memory.measure_on(cluster, rows, **kwargs)
-        else:
-            out += memory.measure(rows, (n,), **kwargs)
-    return out
+    if cluster is not None and cluster.world_size >= max(world_sizes):
+        return memory.measure_sizes(cluster, rows, world_sizes, **kwargs)
+    return memory.measure(rows, world_sizes, **kwargs)
 
 
 def largest_held(results) -> dict:

@@ -354,7 +354,7 @@ def _fsdp(module, compute_dtype=None, process_group=None):
 
 
 @register_strategy("torch_fsdp2", shape="buckets")
-def _torch_fsdp2(module):
+def _torch_fsdp2(module, process_group=None):
     """torch's fully_shard on each unit ddplab's FSDP makes (Linear, Embedding, MultiheadAttention), then on the model
 
     An ``nn.MultiheadAttention`` is one unit with its ``out_proj``: its forward hands
@@ -367,11 +367,18 @@ def _torch_fsdp2(module):
 
     from ddplab.sync.core.fsdp import unit_owners
 
+    mesh = None  # fully_shard's default: a 1-D mesh over every rank
+    if process_group is not None:  # a 1-D mesh over the group's ranks
+        from torch.distributed.device_mesh import DeviceMesh
+
+        from ddplab.pg.backend import device
+
+        mesh = DeviceMesh.from_group(process_group, device().type)
     units = {id(u) for u in unit_owners(module).values() if u is not None and u is not module}
     for m in reversed(list(module.modules())):  # inner units first, as fully_shard expects
         if id(m) in units:
-            fully_shard(m)
-    return fully_shard(module)
+            fully_shard(m, mesh=mesh)
+    return fully_shard(module, mesh=mesh)
 
 
 @register_strategy("fsdp_overlap", shape="buckets")

@@ -1,5 +1,6 @@
-"""The what-if of memory against measurement at 1, 2, 3 and 4 ranks (slow: three clusters
-beside the shared 2-rank one; make check's test-unit-more). Same tolerance rule as
+"""The what-if of memory against measurement at 1, 2, 3 and 4 ranks (slow: a 4-rank cluster,
+sizes 1 and 3 on groups of its first ranks, beside the shared 2-rank one; make check's
+test-unit-more). Same tolerance rule as
 tests/measure/test_fits.py; and the curve of memory per rank against N that lab 12 draws
 (ddplab.measure.memory_vs_ranks) goes through every point measured."""
 from __future__ import annotations

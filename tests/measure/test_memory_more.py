@@ -1,5 +1,6 @@
-"""Memory per rank at world sizes 1-4 for every row (slow: four clusters; make check's
-test-unit-more). The sharded parts are checked against sizes worked out from the model."""
+"""Memory per rank at world sizes 1, 3 and 4 for the FSDP rows (slow: a 4-rank cluster of its
+own, sizes 1 and 3 on groups of its first ranks; make check's test-unit-more). The sharded parts
+are checked against sizes worked out from the model."""
 from __future__ import annotations
 
 import pytest
