@@ -179,9 +179,11 @@ def nccl_env_aliases() -> dict:
 # On the CPU on purpose, also on NCCL ranks: the simulated link decides what is timed.
 @comm.cpu_gradients_on_purpose()
 def straggler_no_sync_on_rank(use_no_sync: bool, pattern: str = "alternating", micro_batches: int = 4,
-                              delay_s: float = 0.06, link: str = "1gbe", steps: int = 2,
+                              delay_s: float = 0.06, link: str = "1gbe", steps: int = 4,
                               n_params: float = 2.5e5) -> dict:
     """Median optimizer-step time (ms) with a straggler, torch DDP over a SIMULATED link.
+    The median of ``steps`` timed steps (4: on a busy machine one slow step moves a median of
+    two, enough to hide the 60 ms a late micro-batch costs).
 
     Each micro-batch one rank sleeps ``delay_s`` before its backward: rank
     ``k % world_size`` at micro-batch k ("alternating": every rank is late in turn),
