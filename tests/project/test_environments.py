@@ -78,7 +78,8 @@ def test_make_check_installs_everything_before_its_two_lanes_start(tmp_path):
                          "check-lane-a", "check-lane-b")
     assert "pip install" not in lane and "npm ci" not in lane
     for each in ("graders_catalogue.py", "DDPLAB_WORLD_SIZE=1", "test_slurm.py", "ddplab.course.handouts",
-                 "test_classroom_hub.py", "test_classroom_grading.py", "test_classroom_slurm.py"):
+                 "test_classroom_hub.py", "test_classroom_grading.py", "test_classroom_slurm.py",
+                 "-m more tests/browser/test_browser.py tests/browser/test_browser_exercises.py"):
         assert each in lane, each
 
 
