@@ -140,14 +140,23 @@ def job_state(slurm, job: str) -> str:
     return m.group(1) if m else "UNKNOWN"
 
 
-def wait_for(slurm, job: str, timeout: float = 300.0, every: float = 0.2) -> tuple[str, float]:
+def wait_for(slurm, job: str, timeout: float = 300.0, every: float = 0.2,
+             settle_s: float = 0.0) -> tuple[str, float]:
     """Poll until the job has ended: (its state, time.time() when seen). sbatch --wait polls
-    every 30 s or so (a 12 s job took 42 s); this costs the job's run time plus ``every``."""
+    every 30 s or so (a 12 s job took 42 s); this costs the job's run time plus ``every``.
+    ``settle_s``: an ended state counts once it has held that long (a job that requeues itself
+    was seen FAILED for a moment on a loaded machine, between its first attempt and PENDING)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         state = job_state(slurm, job)
         if state in ENDED:
-            return state, time.time()
+            seen = time.time()
+            held = time.monotonic() + settle_s
+            while time.monotonic() < held and job_state(slurm, job) == state:
+                time.sleep(every)
+            if job_state(slurm, job) == state:
+                return state, seen
+            continue
         time.sleep(every)
     raise AssertionError(f"job {job} had not ended after {timeout:.0f} s ({job_state(slurm, job)})\n"
                          + slurm.logs())
@@ -348,7 +357,9 @@ def test_a_signalled_job_saves_requeues_and_resumes_to_the_uninterrupted_weights
     cut = sbatch(slurm, tmp_path, "resume.sbatch", env={"STEP_S": "0.4"})
     out = tmp_path / f"resume-{cut}.out"
     signal_once_running(slurm, cut, out, time.monotonic() + 150)
-    assert wait_for(slurm, cut)[0] == "COMPLETED", out.read_text()
+    state, _ = wait_for(slurm, cut, settle_s=15)
+    assert state == "COMPLETED", (out.read_text() + "\n" + slurm.run(["scontrol", "show", "job", cut],
+                                                                   check=False).stdout + slurm.logs(300))
     assert wait_for(slurm, straight)[0] == "COMPLETED", (tmp_path / f"resume-{straight}.out").read_text()
 
     text = out.read_text()
