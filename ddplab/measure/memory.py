@@ -195,7 +195,12 @@ def measure_rank(row: str, make_model=default_model, optimizer_cls=torch.optim.A
     with counter:
         model = make_model().to(dev)
         counter.track(model.parameters())
-        width = next(model.parameters()).shape[-1]  # before FSDP flattens it into a shard
+        # the input's width, read before FSDP swaps the weights for shards (and no reference
+        # to a weight kept: FSDP frees the full ones, and the peak would count one still held)
+        width = next((p.shape[-1] for p in model.parameters()), None)
+        if width is None:
+            raise ValueError(f"make_model built a {type(model).__name__} without parameters: there is "
+                             "nothing to hold or to train; pass a model with at least one parameter")
         trained, opt = ROWS[row](model, optimizer_cls, group=group, lr=lr)
         g = torch.Generator().manual_seed(dist.get_rank())
         sent = OpBytes()  # what the last step handed the group, where it is an observing one
@@ -217,18 +222,43 @@ def measure_rank(row: str, make_model=default_model, optimizer_cls=torch.optim.A
     return out
 
 
+def checked(rows, world_sizes=(1,)) -> tuple[tuple, tuple]:
+    """``rows`` and ``world_sizes`` as tuples, refused in words before any rank runs: rows are
+    names from ``ROWS``; world sizes whole numbers from 1, each measured once, in the order given."""
+    import numbers
+
+    if isinstance(rows, str):
+        raise TypeError(f"rows is a tuple of row names, not one string: rows=({rows!r},)")
+    rows = tuple(rows)
+    unknown = [r for r in rows if r not in ROWS]
+    if unknown or not rows:
+        raise ValueError(f"unknown rows {unknown}: name rows from ddplab.measure.memory.ROWS "
+                         f"({', '.join(ROWS)})" if unknown else "no rows given: e.g. rows=('ddp', 'zero1')")
+    sizes = []
+    for n in world_sizes:
+        if isinstance(n, bool) or not isinstance(n, numbers.Integral) or n < 1:
+            raise ValueError(f"world sizes are whole numbers of ranks from 1 up, got {n!r}")
+        if int(n) not in sizes:
+            sizes.append(int(n))
+    if not sizes:
+        raise ValueError("no world sizes given: e.g. world_sizes=(1, 2, 3, 4)")
+    return rows, tuple(sizes)
+
+
 def measure(rows=("ddp", "zero1"), world_sizes=(1, 2, 3, 4), **kwargs) -> list:
     """Start ranks once, as many as the largest world size, and measure every row at each
     world size there (``measure_sizes``): one dict per (row, world size, rank), with the
     FIELDS in bytes."""
     from ddplab.cluster import Cluster
 
+    rows, world_sizes = checked(rows, world_sizes)
     with Cluster(world_size=max(world_sizes)) as cluster:
         return measure_sizes(cluster, rows, world_sizes, **kwargs)
 
 
 def measure_on(cluster, rows=("ddp", "zero1"), **kwargs) -> list:
     """The same on the ranks of a running ``Cluster`` (a lab's): one dict per (row, rank)."""
+    rows, _ = checked(rows)
     return [{"row": row, "world_size": cluster.world_size, "rank": rank, **got}
             for row in rows for rank, got in enumerate(cluster.run(measure_rank, row, **kwargs))]
 
@@ -237,6 +267,7 @@ def measure_sizes(cluster, rows, world_sizes, **kwargs) -> list:
     """Every row at each world size N on ``cluster``'s ranks: N equal to the cluster's size on
     all of them (``measure_on``), a smaller N on a group of its first N ranks while the others
     wait. One dict per (row, world size, rank)."""
+    rows, world_sizes = checked(rows, world_sizes)
     too_big = [n for n in world_sizes if n > cluster.world_size]
     if too_big:
         raise ValueError(f"world sizes {too_big} need more ranks than the cluster's "

@@ -67,6 +67,7 @@ def measured(cluster, world_sizes=(1, 2, 3, 4), rows=ROWS, **kwargs) -> list:
     size started for it. One dict per (row, size, rank)."""
     from ddplab.measure import memory
 
+    rows, world_sizes = memory.checked(rows, world_sizes)
     if cluster is not None and cluster.world_size >= max(world_sizes):
         return memory.measure_sizes(cluster, rows, world_sizes, **kwargs)
     return memory.measure(rows, world_sizes, **kwargs)

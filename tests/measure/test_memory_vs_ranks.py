@@ -43,3 +43,21 @@ def test_the_curve_is_the_formula_and_zero1_falls_in_steps(curve):
     drawn = {t.name: t for t in fig.data}
     assert len(fig.data) == 2 * 4 + 1 and list(drawn["zero1: measured"].x) == [3]
     assert list(drawn["ZeRO-1 (whole parameters dealt): predicted"].y) == [v / 2 ** 20 for v in z1]
+
+
+def test_rows_and_world_sizes_are_refused_in_words_before_any_rank_runs():
+    from ddplab.measure.memory import checked, measure_sizes
+
+    class NoRanks:  # a cluster that must not be asked to run anything
+        world_size = 3
+
+        def run(self, *a, **k):
+            raise AssertionError("ranks were asked to run")
+
+    assert checked(("ddp",), (3, 1, 3, 2)) == (("ddp",), (3, 1, 2))  # each size once, in order
+    for rows, sizes, words in [("ddp", (2,), "not one string"), (("nope",), (2,), "unknown rows ['nope']"),
+                               ((), (2,), "no rows"), (("ddp",), (0,), "from 1 up, got 0"),
+                               (("ddp",), (2.0,), "got 2.0"), (("ddp",), (), "no world sizes"),
+                               (("ddp",), (2, 4), "start a Cluster of 4")]:
+        with pytest.raises((TypeError, ValueError), match=words.replace("[", r"\[").replace("]", r"\]")):
+            measure_sizes(NoRanks(), rows, sizes)
