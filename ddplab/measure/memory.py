@@ -230,10 +230,12 @@ def checked(rows, world_sizes=(1,)) -> tuple[tuple, tuple]:
     if isinstance(rows, str):
         raise TypeError(f"rows is a tuple of row names, not one string: rows=({rows!r},)")
     rows = tuple(rows)
+    if not rows:
+        raise ValueError("no rows given: e.g. rows=('ddp', 'zero1')")
     unknown = [r for r in rows if r not in ROWS]
-    if unknown or not rows:
+    if unknown:
         raise ValueError(f"unknown rows {unknown}: name rows from ddplab.measure.memory.ROWS "
-                         f"({', '.join(ROWS)})" if unknown else "no rows given: e.g. rows=('ddp', 'zero1')")
+                         f"({', '.join(ROWS)})")
     sizes = []
     for n in world_sizes:
         if isinstance(n, bool) or not isinstance(n, numbers.Integral) or n < 1:
